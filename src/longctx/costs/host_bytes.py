@@ -257,6 +257,7 @@ def offloaded_host_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy,
     kw = {"head": shape.head, "ctx": shape.ctx, "policy": policy}
     acts = pinned_activation_bytes(m, seq_len, micro_batch, dtype_bytes=act_bytes, docs=docs, expert=shape.expert,
                                    expert_skew=expert_skew, autocast=autocast, expert_replicas=shape.expert_replicas,
+                                   expert_ranks_per_node=shape.expert_ranks_per_node,
                                    **kw) if activations else 0.0
     attn = pinned_attention_offload_bytes(m, seq_len, micro_batch, dtype_bytes=dtype_bytes, **kw) if attention else 0.0
     return acts, attn
@@ -399,7 +400,8 @@ def predicted_rank_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy,
     act_bytes, copies = activation_dtype(dtype_bytes == 2, shape.world, tier, device_type)
     acts_kw = {**kw, "dtype_bytes": act_bytes}
     acts = estimate_activations(m, seq_len, micro_batch, docs=doc_mask, expert=shape.expert, autocast=copies,
-                                expert_replicas=shape.expert_replicas, **acts_kw)
+                                expert_replicas=shape.expert_replicas,
+                                expert_ranks_per_node=shape.expert_ranks_per_node, **acts_kw)
     transient = transient_bytes(m, seq_len, micro_batch, window=shape.window, docs=doc_mask, acts=acts,
                                 autocast=copies, head_grad=head_grad_bytes(m, shape, tier), **acts_kw)
     transient += shared_overlap_transient_bytes(m, acts.tokens, shape.expert, policy, act_bytes, copies)

@@ -33,6 +33,10 @@ class MeshShape:
     # for backward (memory/moe_counts.py copy_slot_bytes); the planner tries them under --expert-replicas and times
     # them in planner/expert_copies.py
     expert_replicas: int = 0
+    # parallel.expert_ranks_per_node under expert > 1: hierarchical dispatch over nodes of this many ranks of the
+    # expert group (0, or the whole group: the flat exchange); its bytes per link level and its saved tensors are
+    # costs/hier_bytes.py's and memory/hier_counts.py's
+    expert_ranks_per_node: int = 0
 
     @property
     def world(self) -> int:
@@ -78,6 +82,7 @@ class MeshShape:
             text += " " + ("hf" if self.placement == "head-first" else "cf")
         if self.expert > 1:
             text += f" ep{self.expert}" + (f" copies{self.expert_replicas}" if self.expert_replicas else "")
+            text += f" hier{self.expert_ranks_per_node}" if 0 < self.expert_ranks_per_node < self.expert else ""
         if self.zero_pp:
             text += " " + self.zero_pp.replace(",", "+") + (f"/g{self.hpz_ranks}" if self.hpz_ranks else "")
         if self.data_parallel == "co2":

@@ -298,7 +298,11 @@ def exposed_expert_seconds(m: ModelConfig, shape: MeshShape, expert_step_bytes: 
         return 0.0
     bw = link_bandwidth(hw, group_is_intra_node(shape, "expert", gpus_per_node)) * hw.all_to_all_efficiency
     transfer = sum(expert_step_bytes.values()) / grad_accum / bw * max(skew, 1.0)
-    # forward + backward (3x) of 2 FLOPs per weight of the 3 expert matmuls, for each of a token's k rows
+    return transfer + expert_straggler_seconds(m, tokens, skew, hw)
+
+
+def expert_straggler_seconds(m: ModelConfig, tokens: int, skew: float, hw: Hardware) -> float:
+    """The experts' GEMMs of the most loaded rank's routed rows beyond its even share, per micro-batch: forward +
+    backward (3x) of 2 FLOPs per weight of the 3 expert matmuls, for each of a token's k rows."""
     routed_flops = 3 * 2 * 3 * m.dim * m.resolved_expert_dim * m.moe_top_k * tokens * len(m.moe_layer_ids)
-    straggler = (max(skew, 1.0) - 1.0) * routed_flops / _rates(hw)[0]
-    return transfer + straggler
+    return (max(skew, 1.0) - 1.0) * routed_flops / _rates(hw)[0]

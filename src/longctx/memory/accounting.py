@@ -283,11 +283,13 @@ def activation_dtype(bf16: bool, world: int, model_states: str, device_type: str
 def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *, head: int = 1, ctx: int = 1,
                       policy: MemoryPolicy = NO_POLICY, dtype_bytes: int = 4,
                       docs: bool = False, expert: int = 1, expert_skew: float = 1.0,
-                      autocast: bool = False, expert_replicas: int = 0) -> list[LayerActivations]:
+                      autocast: bool = False, expert_replicas: int = 0,
+                      expert_ranks_per_node: int = 0) -> list[LayerActivations]:
     """What each block leaves for backward under `policy` (see estimate_activations), block by
     block: a MoE model's dense and MoE layers differ; `expert`, `expert_skew`: the expert-parallel
     degree and the receive skew of the rank counted (moe_counts.moe_call_terms); `expert_replicas`: its FlexMoE
-    copy slots (parallel.expert_replicas), all filled (moe_counts.copy_slot_bytes). The last offloaded block's
+    copy slots (parallel.expert_replicas), all filled (moe_counts.copy_slot_bytes); `expert_ranks_per_node`: its
+    hierarchical dispatch (parallel.expert_ranks_per_node, memory/hier_counts.py). The last offloaded block's
     device bytes include its output, which stays on the device as the input of the kept block after it.
     `autocast` (bf16 autocast over fp32 weights: activation_dtype): each matmul autograd saves keeps a
     bf16 copy of its weight on the device (the offloader leaves weights where they are), 2 B per matmul
@@ -351,7 +353,8 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
         if moe and model.is_moe:
             if off not in moe_terms:  # the same for every MoE layer offloaded (or not)
                 moe_terms[off] = moe_call_terms(model, p, calls, policy.expert_chunk, off, expert, expert_skew,
-                                                 c=compute_bytes(p, autocast and p == 4), replicas=expert_replicas)
+                                                 c=compute_bytes(p, autocast and p == 4), replicas=expert_replicas,
+                                                 ranks_per_node=expert_ranks_per_node)
             d_moe, h_moe, f_moe = moe_terms[off]
             device, host_bytes, flops = device + d_moe, host_bytes + h_moe, flops + f_moe
         alike[kind] = LayerActivations(device, host_bytes, flops, moe and model.is_moe, off)
@@ -362,7 +365,8 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
 def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *, head: int = 1, ctx: int = 1,
                          policy: MemoryPolicy = NO_POLICY, dtype_bytes: int = 4,
                          docs: bool = False, expert: int = 1, expert_skew: float = 1.0,
-                         autocast: bool = False, expert_replicas: int = 0) -> ActivationEstimate:
+                         autocast: bool = False, expert_replicas: int = 0,
+                         expert_ranks_per_node: int = 0) -> ActivationEstimate:
     """Per-rank activation bytes under `policy` for micro_batch sequences of seq_len tokens sharded
     over head x ctx ranks. dtype_bytes: 4 (fp32) or 2 (bf16 parameters and activations).
     policy.block_chunk changes no saved bytes, only recomputation: under `full` the chunks are
@@ -373,9 +377,11 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
     (ops/chunked.py ChunkStore). grad_sync changes no activation.
 
     A MoE model's layers differ (layer_activations); the per-block figures are then its largest
-    block's (a MoE one, unless dense layers keep more), the totals sum every block. autocast, expert_replicas: see
+    block's (a MoE one, unless dense layers keep more), the totals sum every block. autocast, expert_replicas,
+    expert_ranks_per_node: see
     layer_activations (one process in bf16 autocast over fp32 weights: activation_dtype)."""
-    moe_kw = dict(expert=expert, expert_skew=expert_skew, autocast=autocast, expert_replicas=expert_replicas)
+    moe_kw = dict(expert=expert, expert_skew=expert_skew, autocast=autocast, expert_replicas=expert_replicas,
+                  expert_ranks_per_node=expert_ranks_per_node)
     layers = layer_activations(model, seq_len, micro_batch, head=head, ctx=ctx, policy=policy,
                                dtype_bytes=dtype_bytes, docs=docs, **moe_kw)
     p = dtype_bytes

@@ -135,7 +135,8 @@ _KINDS: dict[tuple, tuple[int, int]] = {}
 
 def pinned_activation_bytes(m: ModelConfig, seq_len: int, micro_batch: int = 1, *, head: int = 1, ctx: int = 1,
                             policy: MemoryPolicy, dtype_bytes: int, docs: bool = False, expert: int = 1,
-                            expert_skew: float = 1.0, autocast: bool = False, expert_replicas: int = 0) -> float:
+                            expert_skew: float = 1.0, autocast: bool = False, expert_replicas: int = 0,
+                            expert_ranks_per_node: int = 0) -> float:
     """estimate_activations' total_host as torch's host allocator pins it on CUDA: each part rounded up to
     a power of two. A MoE block's feed-forward (not listed, FlexMoE's copy slots included) at twice its bytes: the
     bound of the rounding.
@@ -165,7 +166,7 @@ def pinned_activation_bytes(m: ModelConfig, seq_len: int, micro_batch: int = 1, 
     total = 0.0
     for la in layer_activations(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy, dtype_bytes=p,
                                 docs=docs, expert=expert, expert_skew=expert_skew, autocast=autocast,
-                                expert_replicas=expert_replicas):
+                                expert_replicas=expert_replicas, expert_ranks_per_node=expert_ranks_per_node):
         locked, exact = kind(la.offloaded, la.moe)
         total += locked
         if la.moe:  # the feed-forward's parts, unlisted: at most twice their bytes once rounded

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from ..ops.grouped import cpu_kernel_available
+from .hier_counts import hier_call_bytes, hierarchical
 from .policy import MemoryPolicy
 
 
@@ -226,7 +227,7 @@ def moe_forward_runs(model: ModelConfig, tokens: int, policy: MemoryPolicy) -> f
 
 def moe_call_terms(m: ModelConfig, p: int, calls: list[tuple[int, bool]], expert_chunk: int,
                     offloaded: bool, expert: int = 1, skew: float = 1.0,
-                    c: int | None = None, replicas: int = 0) -> tuple[float, float, float]:
+                    c: int | None = None, replicas: int = 0, ranks_per_node: int = 0) -> tuple[float, float, float]:
     """(device bytes, host bytes, recomputed FLOPs) a MoE block's feed-forward calls add to its
     per-token count (which holds every stored token's experts' intermediates, `moe_ffn_bytes`):
     each call's `moe_call_bytes` (in an offloaded block its saved tensors' share on the host, the
@@ -244,8 +245,10 @@ def moe_call_terms(m: ModelConfig, p: int, calls: list[tuple[int, bool]], expert
     `c` (moe_ffn_bytes; under autocast 2): the bytes of the experts' intermediates and permuted rows counted
     there; experts in checkpointed pieces keep each piece's input, the permuted rows in their own dtype (p).
     `replicas` (parallel.expert_replicas, under expert parallelism): each stored call's `copy_slot_bytes` too, and
-    its grouped GEMMs' offsets and pieces' counts over the rank's slots (`gemm_groups`)."""
+    its grouped GEMMs' offsets and pieces' counts over the rank's slots (`gemm_groups`). `ranks_per_node`
+    (parallel.expert_ranks_per_node): hierarchical dispatch's own saved tensors too (memory/hier_counts.py)."""
     k, groups = m.moe_top_k, gemm_groups(m, expert, replicas)
+    hier = hierarchical(expert, ranks_per_node)
     c = p if c is None else c
     device = host = flops = 0.0
     for n, stored in calls:
@@ -255,8 +258,9 @@ def moe_call_terms(m: ModelConfig, p: int, calls: list[tuple[int, bool]], expert
         chunked = bool(expert_chunk) and received > expert_chunk
         records = moe_call_bytes(m, p, stored=False)  # the router's records stay on the device
         saved = moe_call_bytes(m, p, stored, chunked, c, groups) - records
-        if stored:  # (saved tensors, the offloader takes them; the copy slots' too)
+        if stored:  # (saved tensors, the offloader takes them; the copy slots' and the node exchange's too)
             saved += copy_slot_bytes(m, p, expert, replicas, rows, chunked, c)
+            saved += hier_call_bytes(m, c, n, expert, ranks_per_node, skew) if hier else 0.0
         device += records + (0.0 if offloaded else saved)
         host += saved if offloaded else 0.0
         if chunked:  # each piece's w1 and w3 again: torch._grouped_mm saves w2's inputs before it runs, where

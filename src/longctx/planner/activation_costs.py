@@ -24,10 +24,12 @@ def rank_activations(m: ModelConfig, seq_len: int, micro_batch: int, shape: Mesh
     """(saved activations, transient bytes on top of them) of one rank under `shape` and `policy`;
     under expert parallelism, of the most loaded rank when it receives `expert_skew` x its share of
     the routed rows (memory.moe_counts.expert_rows), with its FlexMoE copy slots (shape.expert_replicas, all
-    filled: memory.moe_counts.copy_slot_bytes). dtype_bytes, autocast: activation_dtype's."""
+    filled: memory.moe_counts.copy_slot_bytes) and its hierarchical dispatch (shape.expert_ranks_per_node:
+    memory/hier_counts.py). dtype_bytes, autocast: activation_dtype's."""
     acts = estimate_activations(m, seq_len, micro_batch, head=shape.head, ctx=shape.ctx, policy=policy,
                                 dtype_bytes=dtype_bytes, docs=docs, expert=shape.expert, expert_skew=expert_skew,
-                                autocast=autocast, expert_replicas=shape.expert_replicas)
+                                autocast=autocast, expert_replicas=shape.expert_replicas,
+                                expert_ranks_per_node=shape.expert_ranks_per_node)
     return acts, rank_transient(m, seq_len, micro_batch, shape, policy, dtype_bytes, docs, acts, expert_skew,
                                 autocast=autocast, head_grad=head_grad)
 

@@ -27,10 +27,10 @@ class Shared:
     changed ones: more host memory, offload, loss chunks, GPUs, shorter sequences), keyed by every argument
     they read: the model (by identity: one object in all of them), the sequence, document masks, the expert
     skew, the policy (under grad_sync step: no activation depends on it), the activation dtype and weight copies;
-    of the layout, for estimate_activations, head, expert, expert_replicas and the rank's tokens (micro-batch x
-    sequence / (head x ctx): it reads the micro-batch and ctx only through them,
-    tests/unit/test_planner_search_caches.py), for rank_transient head, ctx, window, expert, expert_replicas, the
-    micro-batch and the tier's head_grad_bytes."""
+    of the layout, for estimate_activations, head, expert, expert_replicas, expert_ranks_per_node and the rank's
+    tokens (micro-batch x sequence / (head x ctx): it reads the micro-batch and ctx only through them,
+    tests/unit/test_planner_search_caches.py), for rank_transient head, ctx, window, expert, expert_replicas,
+    expert_ranks_per_node, the micro-batch and the tier's head_grad_bytes."""
 
     def __init__(self):
         self.acts: dict[tuple, object] = {}
@@ -39,12 +39,12 @@ class Shared:
 
 class Caches:
     """What one request's search computes once and reuses (valid for that request only: its keys are indices
-    into the request's policy list). costs: by (head, ctx, window, expert, expert_replicas, micro-batch, activation
-    dtype, weight copies, the tier's head_grad_bytes), a row {policy index: the entry [activations, transient bytes
-    (from `shared`), ActivationCosts or None until a candidate needs it]}: nothing else of a candidate changes them
-    (not the dp split, the placement, ZeRO++, co2, the tier but through its dtype and head_grad_bytes, nor
-    grad_sync); a Layout holds its tiers' rows, so a candidate's
-    entry is one lookup by its policy. sums: _sorted_sums. chunked: may_fit's expert-chunked positions of the
+    into the request's policy list). costs: by (head, ctx, window, expert, expert_replicas, expert_ranks_per_node,
+    micro-batch, activation dtype, weight copies, the tier's head_grad_bytes), a row {policy index: the entry
+    [activations, transient bytes (from `shared`), ActivationCosts or None until a candidate needs it]}: nothing
+    else of a candidate changes them (not the dp split, the placement, ZeRO++, co2, the tier but through its dtype
+    and head_grad_bytes, nor grad_sync); a Layout holds its tiers' rows, so a candidate's entry is one lookup by its
+    policy. sums: _sorted_sums. chunked: may_fit's expert-chunked positions of the
     policy list it was made for (that list, the set)."""
 
     def __init__(self, shared: Shared | None = None):
@@ -95,7 +95,8 @@ def _sorted_sums(req: Request, layout: Layout, index: list[int], step_pols: list
     chunk) and the expert-chunked ones (may_fit keeps them all); a NaN sum as -inf (never skipped: NaN fails no
     comparison). Kept in caches.sums: a function of the group, the dtype and head_grad_bytes alone."""
     s, mb = layout.shape, layout.mb
-    key = (s.head, s.ctx, s.window, s.expert, s.expert_replicas, mb, layout.dtypes[tier], layout.head_grads[tier])
+    key = (s.head, s.ctx, s.window, s.expert, s.expert_replicas, s.expert_ranks_per_node, mb, layout.dtypes[tier],
+           layout.head_grads[tier])
     if key not in caches.sums:
         tokens = mb * req.seq_len // s.sequence_degree
         pairs = []
@@ -129,7 +130,8 @@ class Layout:
         self.states: dict[tuple, object] = {}
         self.usable = req.hardware.usable_memory_bytes
         costs = {} if caches is None else caches.costs
-        group = (shape.head, shape.ctx, shape.window, shape.expert, shape.expert_replicas, mb)
+        group = (shape.head, shape.ctx, shape.window, shape.expert, shape.expert_replicas, shape.expert_ranks_per_node,
+                 mb)
         # (and by what the tier holds in the LM head's backward alone: its transient's)
         self.head_grads = {t: head_grad_bytes(req.model, shape, t) for t in self.tiers}
         self.rows = {t: costs.setdefault((*group, *self.dtypes[t], self.head_grads[t]), {}) for t in self.tiers}
@@ -147,14 +149,17 @@ def tier_costs(req: Request, layout: Layout, policy: int, step_pol: MemoryPolicy
         s, (e, copies) = layout.shape, layout.dtypes[tier]
         m, seq, shared = req.model, req.seq_len, caches.shared
         request_key = (id(m), seq, req.doc_mask, req.expert_skew, step_pol, e, copies)
-        acts_key = (*request_key, s.head, layout.mb * seq // s.sequence_degree, s.expert, s.expert_replicas)
+        acts_key = (*request_key, s.head, layout.mb * seq // s.sequence_degree, s.expert, s.expert_replicas,
+                    s.expert_ranks_per_node)
         acts = shared.acts.get(acts_key)
         if acts is None:
             acts = shared.acts[acts_key] = estimate_activations(
                 m, seq, layout.mb, head=s.head, ctx=s.ctx, policy=step_pol, dtype_bytes=e, docs=req.doc_mask,
-                expert=s.expert, expert_skew=req.expert_skew, autocast=copies, expert_replicas=s.expert_replicas)
+                expert=s.expert, expert_skew=req.expert_skew, autocast=copies, expert_replicas=s.expert_replicas,
+                expert_ranks_per_node=s.expert_ranks_per_node)
         head_grad = layout.head_grads[tier]
-        transient_key = (*request_key, s.head, s.ctx, s.window, s.expert, s.expert_replicas, layout.mb, head_grad)
+        transient_key = (*request_key, s.head, s.ctx, s.window, s.expert, s.expert_replicas, s.expert_ranks_per_node,
+                         layout.mb, head_grad)
         transient = shared.transients.get(transient_key)
         if transient is None:
             transient = shared.transients[transient_key] = rank_transient(m, seq, layout.mb, s, step_pol, e,
@@ -195,7 +200,7 @@ def candidate_costs(req: Request, layout: Layout, step_pol: MemoryPolicy, policy
     through the activation dtype): every window of an activation group shares one, but for its transient
     (caches.window_free by head, ctx, expert, micro-batch, policy and dtype)."""
     s = layout.shape
-    key = (s.head, s.ctx, s.expert, s.expert_replicas, layout.mb, policy, *layout.dtypes[tier])
+    key = (s.head, s.ctx, s.expert, s.expert_replicas, s.expert_ranks_per_node, layout.mb, policy, *layout.dtypes[tier])
     acts, transient = entry[0], entry[1]
     base = caches.window_free.get(key)
     if base is not None and base.acts is acts:

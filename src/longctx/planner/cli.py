@@ -30,7 +30,7 @@ def build_request(args, overrides):
 
     model = f"--model.init_from={args.model}" if args.model.startswith("hf:") else f"--model.preset={args.model}"
     overrides, replicas = _expert_replicas(args, overrides)
-    _check_uncosted_expert_settings(parse_overrides(overrides))
+    overrides, ranks_per_node = _expert_ranks_per_node(overrides)
     named = [o for o in overrides if o.split("=")[0] in ("--model.preset", "--model.init_from")]
     if named:  # (the later one won: `--model llama3-8b --model.preset=debug` planned the debug model)
         raise ConfigError(f"longctx plan takes the model from --model ({args.model}); drop {named[0].split('=')[0]} "
@@ -76,6 +76,7 @@ def build_request(args, overrides):
                   expert_degrees=int_list(args.expert, "--expert", 1) if args.expert else None,
                   expert_skew=expert_skew(args.expert_skew),
                   expert_chunks=int_list(args.expert_chunk, "--expert-chunk"), expert_replicas=replicas,
+                  expert_ranks_per_node=ranks_per_node,
                   allow=tuple(x.strip() for x in args.allow.split(",") if x.strip()),
                   co2_local_steps=int_list(args.co2_local_steps, "--co2-local-steps", 1), settings=settings)
     return req, base
@@ -96,21 +97,17 @@ def _expert_replicas(args, overrides: list[str]) -> tuple[list[str], tuple[int, 
     return rest, (parse_overrides([f"--parallel.expert_replicas={text}"])["parallel"]["expert_replicas"],)
 
 
-# expert-parallel settings the cost model does not price -> what they add to a run
-UNCOSTED_EXPERT_KEYS = {"expert_ranks_per_node": "the hierarchical dispatch's two-level all-to-all"}
+def _expert_ranks_per_node(overrides: list[str]) -> tuple[list[str], int]:
+    """(the overrides but parallel.expert_ranks_per_node, its value or 0): hierarchical dispatch, tried beside the
+    flat exchange where it splits an expert degree into whole nodes (costed: planner/expert_nodes.py). Taken out of
+    the base config, which has expert 1 and refused it ("set parallel.expert > 1"); the written plan carries it where
+    the chosen layout is hierarchical."""
+    from ..config import parse_overrides
 
-
-def _check_uncosted_expert_settings(overrides: dict) -> None:
-    """parallel.expert_ranks_per_node acts only under expert parallelism, whose degree the plan chooses: given
-    here, the base config (expert 1) refused it with "set parallel.expert > 1", an override the plan refuses in
-    turn, and the plan does not price it. Refused first, with the way that works. (parallel.expert_replicas is
-    costed: _expert_replicas.)"""
-    given = {k: v for k, v in overrides.get("parallel", {}).items() if k in UNCOSTED_EXPERT_KEYS and v}
-    if given:
-        key, value = next(iter(given.items()))
-        raise ConfigError(f"parallel.{key} = {value} is not costed by the plan ({UNCOSTED_EXPERT_KEYS[key]}) and acts "
-                          f"only under expert parallelism, whose degree the plan chooses (--expert): plan without it, "
-                          f"then add it to the written config if its parallel.expert is > 1.")
+    rest, text = take_override(list(overrides), "parallel.expert_ranks_per_node")
+    if text is None:
+        return rest, 0
+    return rest, parse_overrides([f"--parallel.expert_ranks_per_node={text}"])["parallel"]["expert_ranks_per_node"]
 
 
 def _check_calibration_world(hw, args, world: int) -> None:

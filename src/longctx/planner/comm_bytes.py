@@ -2,13 +2,16 @@
 them together with the memory and the time): every layer's distributed attention in every micro-batch (the forward
 again under full recomputation: parallel/context/volumes.py, the closed forms comm.py's counters are tested to
 equal; documents cost no bytes), FSDP's (ZeRO++ as configured), CO2's outer all-reduce (its share per step) and, under
-expert parallelism, the MoE layers' all-to-alls (even routing)."""
+expert parallelism, the MoE layers' all-to-alls (even routing; hierarchical dispatch's per link level:
+costs/hier_bytes.py)."""
 
 from __future__ import annotations
 
 from ..config import ModelConfig
+from ..costs.hier_bytes import hier_expert_bytes
 from ..costs.model_states import fsdp_carried_params, per_model
 from ..costs.shape import MeshShape
+from ..memory.hier_counts import hierarchical
 from ..memory.moe_counts import moe_forward_runs
 from ..memory.policy import MemoryPolicy
 from ..parallel.context.volumes import ZeroPP, attention_bytes, expert_bytes, fsdp_bytes_per_step
@@ -33,7 +36,9 @@ def comm_bytes_per_step(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, 
     """{dim: {label: bytes}} one rank sends per optimizer step: every layer's attention in every
     micro-batch (the forward again under full recomputation), FSDP's, and under expert parallelism
     the MoE layers' all-to-alls of the rank's `tokens` per micro-batch (even routing); with FlexMoE's copies
-    (shape.expert_replicas) what the hot rank moves for them at `expert_skew` (planner/expert_copies.py)."""
+    (shape.expert_replicas) what the hot rank moves for them at `expert_skew` (planner/expert_copies.py); under
+    hierarchical dispatch (shape.expert_ranks_per_node) its two levels as the dims "expert_node" and "expert_local"
+    (the comm counters' names) in place of "expert"."""
     comm: dict[str, dict[str, float]] = {}
     for dim, labels in per_call.items():
         for label, nbytes in labels.items():
@@ -49,6 +54,10 @@ def comm_bytes_per_step(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, 
         comm["fsdp"] = fsdp
     if shape.data_parallel == "co2":  # a round's outer all-reduce, its share per step
         comm["co2"] = {"co2_outer": co2_outer_bytes(m, shape) / shape.local_steps}
+    if hierarchical(shape.expert, shape.expert_ranks_per_node) and m.is_moe:
+        for dim, labels in hier_layer_bytes(m, shape, policy, tokens, gather_bytes).items():
+            comm[dim] = {label: nbytes * grad_accum for label, nbytes in labels.items()}
+        return comm
     expert = expert_layer_bytes(m, shape, policy, tokens, gather_bytes)
     if expert and shape.expert_replicas:
         expert.update(copy_layer_bytes(m, shape, policy, tokens, expert_skew, gather_bytes, expert["expert_counts"]))
@@ -67,6 +76,16 @@ def expert_layer_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, t
     per_layer = expert_bytes(tokens=tokens, top_k=m.moe_top_k, experts=m.moe_experts, dim=m.dim,
                              expert=shape.expert, elem=elem, forwards=_forward_runs(m, tokens, policy) / n)
     return {label: nbytes * n for label, nbytes in per_layer.items()}
+
+
+def hier_layer_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, tokens: int,
+                     elem: int) -> dict[str, dict[str, float]]:
+    """expert_layer_bytes under hierarchical dispatch: {dim: {label: bytes}} of every MoE layer in one
+    micro-batch, per link level (costs/hier_bytes.py), routing even."""
+    n = len(m.moe_layer_ids)
+    per_layer = hier_expert_bytes(tokens=tokens, m=m, expert=shape.expert, ranks_per_node=shape.expert_ranks_per_node,
+                                  elem=elem, forwards=_forward_runs(m, tokens, policy) / n)
+    return {dim: {label: nbytes * n for label, nbytes in labels.items()} for dim, labels in per_layer.items()}
 
 
 @per_model

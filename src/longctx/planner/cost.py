@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from ..config import ModelConfig
 from ..costs.hardware import Hardware
+from ..costs.hier_bytes import exposed_hier_seconds
 from ..costs.host_bytes import (
     device_bytes_with,
     device_parts_before_activations,
@@ -60,6 +61,7 @@ from ..costs.timing import (
     recompute_share,
 )
 from ..memory.accounting import ActivationEstimate
+from ..memory.hier_counts import hierarchical
 from ..memory.moe_counts import max_expert_skew
 from ..memory.policy import MemoryPolicy
 from .activation_costs import ActivationCosts, activation_costs
@@ -103,7 +105,7 @@ class Estimate:
         return {
             "layout": {"dp_replicate": shape.dp_replicate, "dp_shard": shape.dp_shard, "head": shape.head,
                        "ctx": shape.ctx, "window": shape.window, "placement": shape.placement, "expert": shape.expert,
-                       "expert_replicas": shape.expert_replicas,
+                       "expert_replicas": shape.expert_replicas, "expert_ranks_per_node": shape.expert_ranks_per_node,
                        "zero_pp": shape.zero_pp, "hpz_ranks": shape.hpz_ranks,
                        "data_parallel": shape.data_parallel, "co2_local_steps": shape.local_steps},
             "policy": {**policy.to_config(), "model_states": self.model_states},
@@ -384,6 +386,8 @@ def timed(m: ModelConfig, hw: Hardware, fp: Footprint, *, seq_len: int, global_b
         exposed["expert_copies"] = copy_seconds(copies / grad_accum, shape, hw, gpus_per_node)
         skew = copy_relief(m.moe_experts, shape.expert, shape.expert_replicas, skew).skew
     exposed["expert"] = exposed_expert_seconds(m, shape, rows, grad_accum, tokens, skew, hw, gpus_per_node)
+    if hierarchical(shape.expert, shape.expert_ranks_per_node):  # its two levels, each over its own link
+        exposed["expert"] = exposed_hier_seconds(m, shape, comm, grad_accum, tokens, skew, hw, gpus_per_node)
     block_fwd = predicted_block_forward_seconds(flops, m, hw)
     fsdp_step = exposed_fsdp_seconds(m, shape, policy, grad_accum, e, block_fwd, acts.recompute_flops, hw,
                                      gpus_per_node)

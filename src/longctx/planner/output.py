@@ -32,6 +32,7 @@ def plan_config(est: Estimate, req: Request, base: Config) -> Config:
     raw["parallel"].update(dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard, head=shape.head, ctx=shape.ctx,
                            window=shape.window if shape.window and shape.window < shape.ctx else 0,
                            placement=shape.placement, expert=shape.expert, expert_replicas=shape.expert_replicas,
+                           expert_ranks_per_node=shape.expert_ranks_per_node,
                            zero_pp=shape.zero_pp,
                            ranks_per_node=shape.node if shape.zero_pp else 0, hpz_ranks=shape.hpz_ranks)
     raw["memory"].update(est.policy.to_config(), model_states=est.model_states)

@@ -26,6 +26,7 @@ from ..job.checks import expert_shards_split
 from ..memory.policy import MemoryPolicy
 from .cost import RunSettings
 from .expert_copies import check_expert_replicas, replica_counts
+from .expert_nodes import check_expert_nodes, node_sizes
 from .slow_links import CO2_LOCAL_STEPS, check_levels, slow_link_variants
 
 OFFLOAD_FRACTIONS = (0.125, 0.25, 0.5, 0.75, 1.0)
@@ -98,6 +99,9 @@ class Request:
     # parallel.expert_replicas (FlexMoE's copy slots per rank) to try where expert > 1 (planner/expert_copies.py);
     # (0,): none, as before they were costed
     expert_replicas: tuple[int, ...] = (0,)
+    # parallel.expert_ranks_per_node (hierarchical dispatch) tried beside the flat exchange where it splits an expert
+    # degree into whole nodes (planner/expert_nodes.py); 0: never, as before it was costed
+    expert_ranks_per_node: int = 0
     # memory.model_states tiers to try, in the order tried: a candidate takes the first that fits
     model_states: tuple[str, ...] = TIERS
     # lossy choices the user allows the plan to make ("co2": CO2's local rounds change convergence; without
@@ -153,6 +157,7 @@ class Request:
             raise ConfigError(f"expert-parallel degree(s) {bad} must divide both the GPUs ({self.gpus}) and the "
                               f"experts ({self.model.moe_experts}).")
         check_expert_replicas(self.model, self.expert_replicas, expert_degrees(self))
+        check_expert_nodes(self.expert_ranks_per_node, expert_degrees(self), self.gpus_per_node, self.model.is_moe)
         m = self.model
         unsplit = [x for x in (self.expert_degrees or ()) if not expert_shards_split(m, self.gpus, x)]
         if unsplit:
@@ -246,9 +251,11 @@ def candidate_shapes(req: Request) -> list[MeshShape]:
                     for w in windows:
                         for x in degrees:
                             for copies in replica_counts(req, x):
-                                base = MeshShape(r, dp // r, h, c, w, placement, x, expert_replicas=copies)
-                                for s in with_zero_pp(base, G, req.settings.zero_pp_block):
-                                    out += [s, *slow_link_variants(s, req.hardware, G, co2=True)]
+                                for nodes in node_sizes(req.expert_ranks_per_node, x, copies):
+                                    base = MeshShape(r, dp // r, h, c, w, placement, x, expert_replicas=copies,
+                                                     expert_ranks_per_node=nodes)
+                                    for s in with_zero_pp(base, G, req.settings.zero_pp_block):
+                                        out += [s, *slow_link_variants(s, req.hardware, G, co2=True)]
     return out
 
 

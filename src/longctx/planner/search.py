@@ -99,8 +99,9 @@ def _sort_key(e: Estimate):
     if not e.feasible:
         return (1, e.memory["total"] + e.host_per_node, e.step_s)
     s = e.mesh_shape  # ties: sync before co2 (convergence), hpZ on the node before a group (less memory)
-    # (fewer FlexMoE copy slots first: a tie buys nothing with their memory)
-    return (0, float(step_text(e.step_s)), TIERS.index(e.model_states), s.expert_replicas,
+    # (fewer FlexMoE copy slots first: a tie buys nothing with their memory; the flat exchange before the
+    # hierarchical one: it adds with no atomics, models/moe_dispatch.py)
+    return (0, float(step_text(e.step_s)), TIERS.index(e.model_states), s.expert_replicas, s.expert_ranks_per_node,
             ZERO_PP_ORDER.index(s.zero_pp), s.data_parallel == "co2", s.hpz_ranks, _POLICY_ORDER[p.recompute],
             p.offload_fraction, round(e.memory["total"] / 2**30),
             p.loss_chunk, p.block_chunk != 0, -p.block_chunk, p.attention_chunk != 0, p.attention_offload,
