@@ -52,7 +52,7 @@ def test_stage_lengths_must_fit_the_layout():
     from longctx.job.checks import check_layout
 
     cfg = load_config(None, ["--train.stages=100:2,128:2", "--parallel.ctx=2", "--parallel.head=2"])
-    with pytest.raises(ConfigError, match="train.stages: sequence length 100 is not divisible"):
+    with pytest.raises(ConfigError, match=r"train.stages: stage 1 \(100:2\): sequence length 100 is not divisible"):
         check_layout(cfg, 4)
     cfg = load_config(None, ["--train.stages=128:2:3,128:2", "--parallel.ctx=2", "--parallel.dp_shard=2"])
     with pytest.raises(ConfigError, match="train.stages: stage 1's batch .128:2:3. .3 sequences"):
@@ -169,8 +169,9 @@ def test_a_resume_with_other_stages_keeps_what_the_weights_trained_on(tmp_path):
     Trainer(load_config(None, [*base, "--train.stages=32:1,64:1", f"--train.run_dir={tmp_path}"]), log=quiet).run()
     step = tmp_path / "checkpoints" / "step-00000002"
     assert json.loads((step / "manifest.json").read_text())["trained_positions"] == 64
+    # (stage 1 lengthened past the step trained at 64: a plan that moves trained steps is asked for)
     cfg, _ = load_run_config(None, [f"--checkpoint.resume={step}", f"--train.run_dir={tmp_path}",
-                                    "--train.stages=32:3,64:1"], False)
+                                    "--train.stages=32:3,64:1", "--checkpoint.allow_changes=true"], False)
     Trainer(cfg, log=quiet).run()
     after = json.loads((tmp_path / "checkpoints" / "step-00000003" / "manifest.json").read_text())
     assert after["trained_positions"] == 64

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from .checkpoint_paths import find_checkpoint, latest_checkpoint, manifest_or_empty
+from ..errors import ConfigError, UserError
+from .checkpoint_paths import find_checkpoint, latest_checkpoint, manifest_or_empty, resolve_checkpoint
 from .inert_options import STORE_BUILD_KEYS
 from .load import build_config, drop_restated_model_keys, read_raw, to_dict
+from .rules import parse_stages
 from .schema import Config
 from .weight_shapes import shape_differences
 
@@ -140,6 +141,7 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
     _refuse_another_seed(diffs, cfg, run_dir)
     _refuse_other_weights(before["model"], after["model"], cfg, run_dir)
     _refuse_unasked(diffs, cfg, run_dir)
+    _refuse_replanned_stages(before["train"], cfg, run_dir)
     return cfg, Resumed(run_dir, [f"{s}.{k} {_show(a)} -> {_show(b)}" for s, k, a, b in diffs])
 
 
@@ -192,6 +194,73 @@ def _refuse_other_weights(saved: dict, configured: dict, cfg: Config, run_dir: P
             f"this resume of {run_dir} would change the shapes of the model's weights ({said}): its checkpoints "
             f"cannot load into that model, whatever the flags. Resume with the run's own model (drop those "
             f"overrides), or train that model as a new run in another --train.run_dir (without init_from).")
+
+
+def _stage_plan(train: dict) -> list[tuple[int, int, int, int]]:
+    """(seq_len, first step, last step, its own batch or 0) of each stage of a [train] table; a run without
+    stages is one stage of train.steps at train.seq_len."""
+    given = parse_stages(train["stages"]) if train["stages"] else [(train["seq_len"], train["steps"], 0)]
+    plan, first = [], 1
+    for seq_len, steps, batch in given:
+        plan.append((seq_len, first, first + steps - 1, batch))
+        first += steps
+    return plan
+
+
+def _spelled(seq_len: int, steps: int, batch: int) -> str:
+    """A stage as train.stages writes it."""
+    return f"{seq_len}:{steps}" + (f":{batch}" if batch else "")
+
+
+def _resumed_step(cfg: Config, run_dir: Path) -> int:
+    """The step of the checkpoint this resume loads (0: none found here; the run's own checks say why)."""
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    try:
+        target = resolve_checkpoint(cfg.checkpoint.resume, root)
+    except UserError:  # (no checkpoint there: preflight and the load say so in their words)
+        return 0
+    return int(manifest_or_empty(target).get("step") or 0) if target is not None else 0
+
+
+def _refuse_replanned_stages(saved_train: dict, cfg: Config, run_dir: Path) -> None:
+    """train.stages edited so that the steps the checkpoint trained, or the stage it continues in, belong to
+    other stages than they did. The data position a checkpoint saves is a cursor in its stage's store, applied
+    only when the run goes on in that same stage (train/stages.py): a stage inserted before it, its length
+    changed or its steps cut below the step reached left the next stage to start at its store's first samples
+    (some of them trained already, with no word when the step fell on the new stage's first), or refused the
+    store as "rebuilt with other content". Stages after the one the run is in, and that stage's own end (at or
+    past the step reached), may change: the run goes on exactly."""
+    staged = saved_train["stages"] or cfg.train.stages
+    if not staged or cfg.checkpoint.allow_changes or cfg.checkpoint.resume == "none":
+        return
+    old, new = _stage_plan(saved_train), _stage_plan(to_dict(cfg)["train"])
+    if old == new or not (step := _resumed_step(cfg, run_dir)):
+        return
+    for i, (seq_len, first, last, batch) in enumerate(old):
+        if first > step:
+            return
+        now = new[i] if i < len(new) else None
+        kept = now is not None and now[:2] == (seq_len, first) and (now[2] == last if last < step else now[2] >= step)
+        if kept:
+            continue
+        at = (f"is now {_spelled(now[0], now[2] - now[1] + 1, now[3])!r}, steps {now[1]}-{now[2]} at {now[0]:,} "
+              f"tokens" if now is not None else "is gone")
+        finished = last < step
+        why = ("the plan would no longer say what the weights trained on, and a later stage of its length would "
+               "start elsewhere in their store" if finished else
+               "the checkpoint's data position is a cursor in that stage's store, so the run would not go on with "
+               "the data it was reading")
+        # (the stages as they ran through the step reached, the one it is in cut there: what the resume may extend)
+        ran = [(length, min(end, step) - start + 1, b) for length, start, end, b in old if start <= step]
+        keep = ",".join(_spelled(*stage) for stage in ran)
+        edit = f"{saved_train['stages'] or '(none)'!r} -> {cfg.train.stages or '(none)'!r}"
+        raise ConfigError(
+            f"this resume of {run_dir} continues from step {step}, but train.stages {edit} moves the steps it "
+            f"trained: stage {i + 1} ({_spelled(seq_len, last - first + 1, batch)!r}, steps {first}-{last} at "
+            f"{seq_len:,} tokens, {'finished' if finished else f'trained through step {step}'})"
+            f" {at}; {why}. Keep the stages through step {step} as they ran (train.stages beginning {keep!r}, its "
+            f"last stage as long as you like from there) and change or add only the stages after that; or add "
+            f"--checkpoint.allow_changes true to resume with the new stages anyway.")
 
 
 def _refuse_unasked(diffs: list, cfg: Config, run_dir: Path) -> None:

@@ -189,13 +189,16 @@ def _train_rules(cfg: Config, problems: list[str]) -> None:
     t, m = cfg.train, cfg.model
     if t.stages:
         try:
-            longest = max(length for length, _, _ in parse_stages(t.stages))
+            stages = parse_stages(t.stages)
         except ConfigError as e:
             problems.append(str(e))
-            longest = 0
-        if longest > m.max_seq_len:
-            problems.append(f"train.stages has a stage of {longest} tokens, more than model.max_seq_len "
-                            f"({m.max_seq_len}); raise model.max_seq_len or shorten the stage.")
+            stages = []
+        named = [(s[0], f"stage {i} ({':'.join(str(x) for x in s if x)})") for i, s in enumerate(stages, 1)]
+        if short := [name for length, name in named if length < 2]:  # (train.seq_len's rule: the last stage's)
+            problems.append(f"train.stages: {', '.join(short)} must be at least 2 tokens long (no label in 1).")
+        if longer := [f"{name} of {length} tokens" for length, name in named if length > m.max_seq_len]:
+            problems.append(f"train.stages has {', '.join(longer)}, more than model.max_seq_len ({m.max_seq_len}); "
+                            f"raise model.max_seq_len or shorten the stage.")
     if t.stages and cfg.data.path:
         problems.append(f"train.stages reads one store per stage length, built from data.corpus; data.path "
                         f"({cfg.data.path}) holds one length; drop data.path (data.corpus: your text) or train.stages.")
@@ -230,7 +233,7 @@ def _train_rules(cfg: Config, problems: list[str]) -> None:
         problems.append(f"train.grad_clip must be >= 0 (0 disables clipping), got {t.grad_clip}.")
     if t.eval_interval < 0:
         problems.append(f"train.eval_interval must be >= 0 (0 disables evaluation), got {t.eval_interval}.")
-    if t.seq_len > m.max_seq_len:
+    if t.seq_len > m.max_seq_len and not t.stages:  # (with stages: their last one's, said above as the stage)
         problems.append(
             f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); raise model.max_seq_len "
             f"or shorten the sequence."

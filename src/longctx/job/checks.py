@@ -28,7 +28,10 @@ def check_layout(cfg, world: int) -> ParallelDims:
     else:
         for i, (seq_len, steps, batch) in enumerate(parse_stages(cfg.train.stages), 1):
             try:
-                check_divisible(seq_len, dims.ctx, dims.head)
+                try:  # (named as the stage: a 4K -> 32K -> 128K plan is read by its stages)
+                    check_divisible(seq_len, dims.ctx, dims.head)
+                except ConfigError as e:
+                    raise ConfigError(f"stage {i} ({seq_len}:{steps}{f':{batch}' if batch else ''}): {e}") from None
                 # a stage's own batch is named as the stage's: train.global_batch may be another number
                 _check_batch(batch or cfg.train.global_batch, cfg.train.grad_accum, dims,
                              f"stage {i}'s batch ({seq_len}:{steps}:{batch})" if batch else "train.global_batch")

@@ -245,13 +245,15 @@ class MetricsLogger:
         self.interval.save_blocking_s += blocking_s
 
     def evaluated(self, step: int, loss: float, seconds: float, bytes_before: list[float],
-                  routing: str | None = None, by_store: dict[str, float] | None = None) -> None:
+                  routing: str | None = None, by_store: dict[str, float] | None = None,
+                  stage: dict | None = None) -> None:
         """An evaluation's record; its time and bytes are taken out of the current interval. `routing`:
         how the evaluation routed, where that depends on the step (DTS-Gate: models/moe.py
         eval_routing_note); `by_store`: a mix's loss of each store (train/evaluation.py), in the record
-        and in the line after the blend's."""
+        and in the line after the blend's; `stage`: a staged run's stage and length, which its eval set is of."""
         if self.writer is not None:
-            record = {"kind": "eval", "step": step, "loss": loss, **({"by_store": by_store} if by_store else {})}
+            record = {"kind": "eval", "step": step, "loss": loss, **(stage or {}),
+                      **({"by_store": by_store} if by_store else {})}
             self.writer.write({**record, **({"routing": routing} if routing else {})})
         stores = f" ({', '.join(f'{name} {x:.4f}' for name, x in by_store.items())})" if by_store else ""
         self.say(f"step {step:>5} | eval loss {loss:.4f}{stores}" + (f" | {routing}" if routing else ""))

@@ -12,6 +12,7 @@ from ..config.checkpoint_paths import manifest_or_empty, step_name
 from ..errors import UserError
 from ..strict_json import number
 from .metrics import read_jsonl
+from .stage_marks import mark_stages, stage_starts
 
 
 def _plot_store_evals(ax, evals: list[dict]) -> None:
@@ -130,9 +131,13 @@ def _loss_plot(run_dir: Path, train: list[dict], evals: list[dict], plt) -> Path
         ax.axvspan(first - 0.5, last + 0.5, color="0.88", label=None if i else "rolled back (updates discarded)")
     _plot_train_loss(ax, train)
     _mark_skipped(ax, train)
+    mark_stages(ax, run_stage_starts(run_dir, train[-1]["step"]))
+    # (a staged run's evaluations of each stage are of its length: one line per stage, not joined across)
+    for i, stage in enumerate(dict.fromkeys(r.get("stage") for r in evals)):
+        ours = [r for r in evals if r.get("stage") == stage]
+        ax.plot([r["step"] for r in ours], [number(r["loss"]) for r in ours], marker="o", color="tab:orange",
+                label=None if i else "eval (the mean over its labelled tokens)")
     if evals:
-        ax.plot([r["step"] for r in evals], [number(r["loss"]) for r in evals],
-                label="eval (the mean over its labelled tokens)", marker="o", color="tab:orange")
         _plot_store_evals(ax, evals)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
@@ -152,6 +157,7 @@ def _throughput_plot(run_dir: Path, train: list[dict], plt) -> Path:
     steps = [r["step"] for r in train]
     ax.plot(steps, [r["tokens_per_s"] for r in train], color="tab:blue", marker=".")
     ax.set_ylabel("tokens/s")
+    mark_stages(ax, run_stage_starts(run_dir, steps[-1]))
     # MFU is tokens/s times a constant (model FLOPs per token / the ranks' peak): a second scale on
     # the same curve, not a second curve drawn exactly on top of the first
     ratios = {round(r["mfu"] / r["tokens_per_s"], 15) for r in train if r.get("mfu") and r["tokens_per_s"]}
@@ -408,6 +414,11 @@ def _run_path(run_dir: Path, named: str) -> Path:
     if parts and ".." not in parts and len(here) > len(parts) and here[-len(parts):] == parts:
         return Path(*here[:-len(parts)]) / path
     return path
+
+
+def run_stage_starts(run_dir: Path, last_step: int) -> list[tuple[int, int, int]]:
+    """stage_marks.stage_starts of the run's own train.stages (its config.toml)."""
+    return stage_starts(_run_setting(run_dir, "train", "stages"), last_step)
 
 
 def _run_setting(run_dir: Path, section: str, key: str, config: str = "config.toml"):

@@ -23,11 +23,14 @@ from __future__ import annotations
 import dataclasses
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..config import Config
+from ..config.checkpoint_paths import manifest_or_empty, resolve_checkpoint
 from ..config.positions import run_start_positions
 from ..config.rules import parse_stages
 from ..data.loader import BatchLoader, cost_coefficients
+from ..errors import UserError
 from ..models.moe_capacity import routes_across_tokens
 
 
@@ -58,8 +61,42 @@ def drawn_before(stages: list[Stage], stage: Stage) -> int:
 
 def holdout_grid(cfg: Config) -> int:
     """The eval-split grid of the stores a run builds from data.corpus (data/default_store.py): its
-    longest stage's length, so that every stage holds out the same text, else train.seq_len."""
+    longest stage's length, so that every stage holds out the same text, else train.seq_len. A resume
+    keeps the grid its checkpoint recorded (resumed_holdout_grid): the stages edited since (a longer one
+    added at the end) would otherwise rebuild the store of the stage it continues in with other samples,
+    under the saved cursor, and hold out text the stages so far trained on."""
+    return resumed_holdout_grid(cfg) or planned_holdout_grid(cfg)
+
+
+def planned_holdout_grid(cfg: Config) -> int:
+    """The grid this config's stages give alone: the longest stage's length, else train.seq_len."""
     return max(s for s, _, _ in parse_stages(cfg.train.stages)) if cfg.train.stages else cfg.train.seq_len
+
+
+def resumed_holdout_grid(cfg: Config) -> int:
+    """The holdout_tokens of the checkpoint this run resumes (the grid its run's stores hold out on); 0 when
+    it starts afresh, reads data.path (no grid) or resumes a checkpoint without the record (or none readable:
+    its verification refuses it later, in its own words)."""
+    resume, ck_dir, run_dir = cfg.checkpoint.resume, cfg.checkpoint.dir, cfg.train.run_dir
+    if cfg.data.path or resume == "none" or (resume == "auto" and not (ck_dir or run_dir)):
+        return 0
+    try:
+        target = resolve_checkpoint(resume, Path(ck_dir) if ck_dir else Path(run_dir) / "checkpoints")
+    except UserError:
+        return 0
+    return int(manifest_or_empty(target).get("holdout_tokens") or 0) if target is not None else 0
+
+
+def holdout_note(cfg: Config) -> str | None:
+    """What a resume says when it holds out on its checkpoint's grid, below a stage it now plans."""
+    kept, planned = resumed_holdout_grid(cfg), planned_holdout_grid(cfg)
+    if not kept or kept >= planned:
+        return None
+    return (f"the stores hold out their eval text on the resumed checkpoint's grid of {kept:,} tokens (the longest "
+            f"sequence its run had planned), not on this run's longest stage of {planned:,}: every stage keeps the "
+            f"eval text the run held out from the start (another grid would rebuild the stores, the one the run "
+            f"continues in among them, with other samples), so eval samples of the longer stages are pieces of up "
+            f"to {kept:,} tokens packed. A new run from these weights (--model.init_from) holds out on its own grid.")
 
 
 def stage_config(cfg: Config, stage: Stage) -> Config:

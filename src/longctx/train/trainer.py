@@ -71,7 +71,7 @@ from .setup import (
     open_checkpointing,
     run_tokenizer,
 )
-from .stages import StagedLoader, start_positions, tokens_through
+from .stages import StagedLoader, holdout_note, start_positions, tokens_through
 from .step_run import label_count, run_step
 from .step_state import keep_step_state
 from .watch import watched
@@ -176,6 +176,8 @@ class Trainer:
         self.start_step, rolled_back = resume_past_rollback(self.ckpt, self.start_step, self.sampler, self.log)
         self.rollbacks += rolled_back
         self.start_positions = start_positions(cfg, self.ckpt)  # (what checkpoints record as trained: stages.py)
+        if self.start_step and (note := holdout_note(cfg)):  # (a resume holds out on its checkpoint's grid)
+            self.log(f"data: {note}")
         self.metrics = MetricsLogger(cfg, rt, self.device, self.model, self.run_dir, self.log)
         self._enter_stage(self.start_step + 1, announce=True)  # the one stage the run starts in
         # (every later stage's store built now, before the hang watchdog runs: setup.build_later_stores)
@@ -324,12 +326,17 @@ class Trainer:
         self.metrics.line(step, loss, grad_norm, lr, {  # (interval_steps: what loss_mean and router figures cover)
             **({"loss_mean": sum(finite) / len(finite)} if finite else {}), "interval_steps": len(interval),
             "tokens": self.tokens_offset + tokens_through(self.sampler.stages, step),
-            "seq_len": self.sampler.stage.seq_len,
+            "seq_len": self.sampler.stage.seq_len, **self._stage_field(),
             "elapsed_s": time.perf_counter() - loop.start,
             **({"skipped_steps": self.skipped_steps} if self.skipped_steps else {}),
             **({"rollbacks": self.rollbacks} if self.rollbacks else {}),
             **self.hooks.log_fields(step, last=step == self.cfg.train.steps)})
         said()  # a metrics line: the heartbeat's quiet starts again
+
+    def _stage_field(self) -> dict:
+        """{"stage": k} (1-based) in a run of several stages, which a metrics record's seq_len alone does not name
+        (two stages of one length); {} otherwise."""
+        return {"stage": self.sampler.stage.index + 1} if len(self.sampler.stages) > 1 else {}
 
     def step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step (1-based): its loss over the global batch and the gradient norm, both
@@ -354,7 +361,9 @@ class Trainer:
         if self.last_eval.by_store is not None:  # (a mix of stores)
             result.eval_by_store[step] = self.last_eval.by_store
         seconds = time.perf_counter() - start
-        self.metrics.evaluated(step, loss, seconds, before, self.hooks.eval_note(), self.last_eval.by_store)
+        stage = self._stage_field()  # (a staged run's eval set is of its stage's length: said in the record)
+        self.metrics.evaluated(step, loss, seconds, before, self.hooks.eval_note(), self.last_eval.by_store,
+                               {**stage, "seq_len": self.sampler.stage.seq_len} if stage else None)
         return seconds
 
     def _finish(self, result: TrainResult, total_s: float, eval_s: float) -> TrainResult:
