@@ -164,7 +164,9 @@ def _cmd_report(args, overrides) -> int:
 
 def _cmd_bench(args, overrides) -> int:
     if overrides:
-        raise UserError(f"unexpected arguments for longctx bench {args.bench}: {' '.join(overrides)}.")
+        # (a usage error, as argparse's own for a flag it does not know: exit code 2)
+        raise ConfigError(f"unexpected arguments for longctx bench {args.bench}: {' '.join(overrides)}; "
+                          f"`longctx bench {args.bench} --help` lists its flags.")
     from .bench import attention, comm_cluster, decode, generate, memory, moe, train
     from .bench.arg_checks import check_bench_args
 

@@ -59,6 +59,8 @@ def _structure(command: str, args) -> list[str]:
         out.append(f"--heads {args.heads} must divide --dim {args.dim} (the head size is dim / heads)")
     if command == "generate" and args.sharded and not re.fullmatch(r"[1-9]\d*x[1-9]\d*", args.sharded):
         out.append(f"--sharded {args.sharded!r}: write HxC, the head and ctx degrees, e.g. 1x4")
+    elif command == "generate" and args.sharded and min(args.heads, args.kv_heads) >= 1:
+        out += _sharded_heads_problems(args)
     if command == "generate" and args.compile != "false":
         out += _device_problems(args.device)
     if command == "attention":
@@ -73,21 +75,7 @@ def _structure(command: str, args) -> list[str]:
     if command == "train":
         out += _train_problems(args)
     if command == "memory":
-        from .memory import seq_lengths
-
-        out += _policy_problems(args.policies)
-        world = args.head * args.ctx
-        if args.head >= 1 and args.ctx >= 1 and world > 1:  # (the default's length too: seq_lengths)
-            bad = [x for x in seq_lengths(args).split(",") if x.strip().isdigit() and int(x) % (2 * world)]
-            if bad:
-                out.append(f"--seq-len {', '.join(bad)}: under head {args.head} x ctx {args.ctx} a length is a "
-                           f"multiple of 2 x head x ctx = {2 * world} (the balanced layout's pieces)")
-        if args.device == "cuda":  # (auto: whichever there is)
-            out += _device_problems(args.device)
-        if args.max_seq and (world > 1 or args.no_backward):  # (the probes: one process, a whole step)
-            unread = [f"--head {args.head} x --ctx {args.ctx}"] * (world > 1) + ["--no-backward"] * args.no_backward
-            out.append(f"{' and '.join(unread)}: --max-seq probes a whole training step in one process and reads "
-                       f"neither; run the per-length tables with them in a command of their own")
+        out += _memory_problems(args)
     if command == "moe":
         out += _moe_problems(args)
     if command == "moe" and min(args.top_k, args.experts) >= 1:
@@ -98,14 +86,57 @@ def _structure(command: str, args) -> list[str]:
             out.append(f"--skew-share {args.skew_share}: expert 0's share of the choices, in (0, 1 / top-k = "
                        f"{1 / args.top_k:g}]")
     if command == "comm":
-        for name in ("intra_gbps", "inter_ratio", "middle_ratio"):
-            if not (getattr(args, name) > 0 and math.isfinite(getattr(args, name))):
-                out.append(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-        out += _link_order_problems(args)
-        from ..config.presets import MODEL_PRESETS
+        out += _comm_problems(args)
+    if command in ("generate", "moe", "memory", "attention", "decode"):
+        from . import attention, decode, generate, memory, moe
+        from .unread_flags import unread_flags
 
-        if args.model not in MODEL_PRESETS:  # (else every rank's config traceback, after the spawn)
-            out.append(f"--model {args.model}: choose among {', '.join(MODEL_PRESETS)}")
+        module = {"generate": generate, "moe": moe, "memory": memory, "attention": attention, "decode": decode}[command]
+        out += unread_flags(command, module, args)
+    return out
+
+
+def _memory_problems(args) -> list[str]:
+    """bench memory's sizes: its policies, lengths under the layout, documents per length, the --max-seq probes."""
+    from .memory import seq_lengths
+
+    out = _policy_problems(args.policies) + _offload_without_blocks(args)
+    world = args.head * args.ctx
+    if args.head >= 1 and args.ctx >= 1 and world > 1:  # (the default's length too: seq_lengths)
+        bad = [x for x in seq_lengths(args).split(",") if x.strip().isdigit() and int(x) % (2 * world)]
+        if bad:
+            out.append(f"--seq-len {', '.join(bad)}: under head {args.head} x ctx {args.ctx} a length is a "
+                       f"multiple of 2 x head x ctx = {2 * world} (the balanced layout's pieces)")
+    short = [x for x in seq_lengths(args).split(",") if x.strip().isdigit() and 0 < int(x) < args.docs]
+    if short:  # (else _batch's bounds repeat: documents of no token, the JSON's "docs" not what was packed)
+        out.append(f"--docs {args.docs} documents do not fit in --seq-len {', '.join(short)}: each document "
+                   f"is at least one token; give --docs {min(int(x) for x in short)} or less, or longer lengths")
+    if args.device == "cuda":  # (auto: whichever there is)
+        out += _device_problems(args.device)
+    if args.max_seq and (world > 1 or args.no_backward):  # (the probes: one process, a whole step)
+        unread = [f"--head {args.head} x --ctx {args.ctx}"] * (world > 1) + ["--no-backward"] * args.no_backward
+        out.append(f"{' and '.join(unread)}: --max-seq probes a whole training step in one process and reads "
+                   f"neither; run the per-length tables with them in a command of their own")
+    return out
+
+
+def _comm_problems(args) -> list[str]:
+    """bench comm's link ratios, preset and plot path."""
+    out = []
+    for name in ("intra_gbps", "inter_ratio", "middle_ratio"):
+        if not (getattr(args, name) > 0 and math.isfinite(getattr(args, name))):
+            out.append(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    out += _link_order_problems(args)
+    from ..config.presets import MODEL_PRESETS
+
+    if args.model not in MODEL_PRESETS:  # (else every rank's config traceback, after the spawn)
+        out.append(f"--model {args.model}: choose among {', '.join(MODEL_PRESETS)}")
+    from ..durable import check_output_path
+
+    try:  # (the PNG is drawn after every mode ran: a missing directory lost the run's JSON to a traceback)
+        check_output_path("--plot", args.plot, {})
+    except ConfigError as e:
+        out.append(str(e).rstrip("."))
     return out
 
 
@@ -202,7 +233,59 @@ def _moe_problems(args) -> list[str]:
         out.append(f"--model {args.model}: choose among {', '.join(MODEL_PRESETS)}")
     elif not preset.get("moe.experts", 0):
         out.append(f"--model {args.model} has no MoE layers; give a MoE preset (e.g. debug-moe, small-moe)")
+    elif re.fullmatch(r"\s*\d+\s*[xX]\s*\d+\s*", args.cluster):  # (a malformed one: moe_cluster.main says it)
+        nodes, ranks = (int(v) for v in args.cluster.lower().split("x"))
+        experts = preset["moe.experts"]
+        if nodes * ranks >= 1 and experts % (nodes * ranks):  # (else every rank's reshape error, after the spawn)
+            counts = [str(w) for w in range(2, experts + 1) if experts % w == 0]
+            out.append(f"--cluster {args.cluster}: the {experts} experts of {args.model} are split over all "
+                       f"{nodes * ranks} ranks (parallel.expert = NODES x RANKS), which must divide them; give "
+                       f"NODES x RANKS of {', '.join(counts)} ranks, or another --model")
+    from ..costs.hardware import ALIASES, PRESETS, hardware_names
+
+    if ALIASES.get(args.hardware.lower(), args.hardware.lower()) not in (*PRESETS, "cpu-measured"):
+        out.append(f"--hardware {args.hardware}: choose among {', '.join(hardware_names())}")
     return out
+
+
+def _sharded_heads_problems(args) -> list[str]:
+    """bench generate --sharded HxC: the head degree H splits the model's heads (job/checks.py check_heads), else
+    every rank's ConfigError after the whole transformers comparison ran."""
+    from ..job.checks import check_heads
+
+    head = int(args.sharded.split("x")[0])
+    try:
+        check_heads(args.heads, args.kv_heads, head)
+    except ConfigError as e:
+        return [f"--sharded {args.sharded}: {str(e).rstrip('.')} (--heads {args.heads}, --kv-heads {args.kv_heads})"]
+    return []
+
+
+def _offload_without_blocks(args) -> list[str]:
+    """bench memory's offloading policies where --skip-last keeps every block built on the device: each measured
+    as the policy without offload, under its own name (training refuses the same config: inert_options.py)."""
+    import torch
+
+    from ..config.presets import MODEL_PRESETS
+    from .memory import _policy
+
+    if args.probe:  # (one --max-seq probe: its policy is the search's, checked by the command that started it)
+        return []
+    preset_layers = MODEL_PRESETS.get(args.preset, {}).get("layers", 0)
+    gpu_search = args.max_seq and args.device != "cpu" and torch.cuda.is_available()  # (probes the whole model)
+    layers = preset_layers if gpu_search else args.layers or preset_layers
+    offloading = []
+    for name in (x.strip() for x in args.policies.split(",") if x.strip()):
+        try:
+            if _policy(name)[1] > 0:
+                offloading.append(name)
+        except ValueError:
+            pass  # (said by _policy_problems)
+    if not offloading or not layers or args.skip_last < layers:
+        return []
+    return [f"--policies {', '.join(offloading)} would offload nothing: --skip-last {args.skip_last} keeps the last "
+            f"{args.skip_last} blocks on the device, and {layers} are built; give --skip-last below {layers} or more "
+            f"--layers"]
 
 
 def _policy_problems(policies: str) -> list[str]:

@@ -21,6 +21,7 @@ import gc
 import multiprocessing
 import resource
 import time
+from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ from .attention_common import (
     random_qkv,
     time_distributed,
 )
+from .max_seq import is_host_oom
 
 MIB = 2 ** 20
 
@@ -264,7 +266,7 @@ def _work_over_samples(args) -> dict | None:
 def _memory_ratios(single: dict) -> dict:
     """Packed peak-memory growth over the references' (None where one was not measured)."""
     def ratio(a, b, key):
-        if a not in single or b not in single:
+        if "memory" not in single.get(a, {}) or "memory" not in single.get(b, {}):  # (not measured, or failed)
             return None
         x, y = single[a]["memory"].get(key), single[b]["memory"].get(key)
         return None if x is None or not y else x / y
@@ -282,10 +284,18 @@ def _single_process_kinds(args, ids) -> dict:
     single = {}
     for kind in kinds:
         with phase(f"one process, {kind.replace('_', '-')} attention"):
-            single[kind] = _fresh(_one_process, args, ids, kind, "time")
+            try:
+                single[kind] = _fresh(_one_process, args, ids, kind, "time")
+            except (BrokenProcessPool, MemoryError, RuntimeError) as e:  # (killed; or refused memory)
+                if kind != "causal" or not (isinstance(e, BrokenProcessPool) or is_host_oom(e)):
+                    raise
+                # (the optional S^2 reference, the one a long length kills: the other figures are kept)
+                single[kind] = {"error": f"its process failed ({type(e).__name__}: {e}); the host's memory, at "
+                                         f"this length, most likely (--no-causal-reference skips it)"}
+    measured = tuple(k for k in kinds if "error" not in single[k])
     if args.storage_tracker:  # tensor bytes do not depend on the allocator: one process for all kinds
         with phase("one process, tensor-storage peaks"):
-            for kind, peak in _fresh(_tracked_peaks, args, ids, kinds).items():
+            for kind, peak in _fresh(_tracked_peaks, args, ids, measured).items():
                 single[kind]["memory"]["tracked_peak_mib"] = peak
     return single
 
@@ -343,7 +353,7 @@ def run_docs(args) -> dict:
         "bytes_match_closed_form": all(r["bytes"] == expected for r in ranks),
         "bytes_closed_form": expected,
     }
-    if "causal" in single:
+    if "fwd_bwd_cpu_s" in single.get("causal", {}):
         result["packed_cpu_s_ratio_vs_causal"] = packed["fwd_bwd_cpu_s"] / single["causal"]["fwd_bwd_cpu_s"]
     with phase("work imbalance over samples"):
         over = _work_over_samples(args)

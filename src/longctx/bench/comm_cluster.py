@@ -216,9 +216,9 @@ def main(args) -> int:
            "zero_pp_kernels": args.zero_pp_kernels,
            **result, "ratios": _ratios(result["modes"]),
            "machine": machine_record()}
+    print(strict_json.dumps(out, indent=1), flush=True)  # (first: a plot that fails does not lose the figures)
     if args.plot and args.steps:
         _plot(result["modes"], args.plot)
-    print(strict_json.dumps(out, indent=1))
     return 0
 
 

@@ -8,9 +8,9 @@ the tokens are compared (`same_tokens`). Rates:
   decode = the steps after it);
 - transformers: a streamer stamps the time the first new token arrives; decode = the tokens after
   it over the time from there to the end, prefill = the prompt over the time to the first token.
-The runs alternate (--repeats of each) and the best rate of each counts, so load from other
-processes on the machine (it was shared while the figures were taken) affects both alike and
-rarely the best. transformers is a test dependency: this benchmark needs it installed.
+After an untimed first run of each, the runs alternate (--repeats of each) and the best rate of each
+counts, so load from other processes on the machine (it was shared while the figures were taken)
+affects both alike and rarely the best. transformers is a test dependency: this benchmark needs it installed.
 
 Prefill memory (`prefill_memory`, also with --memory-lengths): the bytes of every tensor the
 prefill creates and that is still alive, at its peak (PeakLiveBytes: a dispatch mode that sees
@@ -313,6 +313,11 @@ def _measure(args, transformers) -> dict:
         theirs = _random_hf_model(args, Path(tmp))
         ours = load_hf(tmp).eval()
     prompt = torch.randint(0, args.vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(args.seed))
+    # an untimed first run of each, as --compile's modes have: the first run paid the first-call costs (the
+    # kernels' set-up, the allocator's growth) in its rates, longctx's more than transformers' that came after it
+    with phase("untimed first run of each (longctx, transformers)", done_line=False):
+        _time_longctx(ours, prompt, args.new_tokens, args.prefill_chunk)
+        _time_transformers(theirs, prompt, args.new_tokens)
     runs = {"longctx": [], "transformers": []}
     for i in range(args.repeats):
         with phase(f"run {i + 1}/{args.repeats} (longctx, then transformers)", done_line=False):

@@ -82,13 +82,35 @@ def _run_probe(args, name: str, seq: int, device: str, env=None) -> dict:
         return {"seq_len": seq, "fits": False, "host_memory": True,
                 "error": f"{HOST_OOM}: killed by SIGKILL (the host's out-of-memory killer)"}
     if run.returncode < 0:
-        return {"seq_len": seq, "fits": False, "error": f"killed by signal {-run.returncode}"}
-    if run.returncode != 0:  # failed: does not fit; say why
+        return {"seq_len": seq, "fits": False, "failed": True, "error": f"killed by signal {-run.returncode}"}
+    if run.returncode != 0:  # the host's memory (an answer: does not fit), or a failure (no answer)
         last = run.stderr.strip().splitlines()[-1:]
         if last and ("MemoryError" in last[0] or "can't allocate memory" in last[0]):
             return {"seq_len": seq, "fits": False, "host_memory": True, "error": f"{HOST_OOM}: {last[0][:200]}"}
-        return {"seq_len": seq, "fits": False, "error": last}
+        # the GPU's memory, where it surfaced outside torch's OutOfMemoryError (a CUDA error, cuBLAS's workspace)
+        if last and any(said in last[0].lower() for said in ("out of memory", "alloc_failed")):
+            return {"seq_len": seq, "fits": False, "error": f"GPU out of memory: {last[0][:200]}"}
+        return {"seq_len": seq, "fits": False, "failed": True, "error": last[0] if last else
+                f"exit code {run.returncode}"}
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+class _ProbeFailed(Exception):
+    """A probe that failed for another reason than memory: its length is no answer to the search."""
+
+
+def _answer(probe: dict) -> None:
+    """_ProbeFailed where a probe failed for another reason than memory (an error, a signal other than the OOM
+    killer's: `_run_probe` marks it "failed"); read as "does not fit", it made the search report the length
+    under the failure as the longest that fits."""
+    if probe.get("failed"):
+        raise _ProbeFailed(f"the probe at {probe['seq_len']:,} tokens failed: {probe['error']}")
+
+
+def _search_failed(e: _ProbeFailed, probes: list) -> dict:
+    """A policy's entry where a probe failed: no longest length (the probes so far kept), the error said."""
+    say(f"--max-seq: {e}; no longest length for this policy (its probes are in the JSON)")
+    return {"longest_seq_len": None, "error": str(e), "probes": probes}
 
 
 def longest_sequence_cpu(args, name: str, budget: int) -> dict:
@@ -103,6 +125,7 @@ def longest_sequence_cpu(args, name: str, budget: int) -> dict:
         say(f"--max-seq {name}: probing {seq:,} tokens in a fresh process")
         t0 = time.perf_counter()
         probes.append(_run_probe(args, name, seq, "cpu", env))
+        _answer(probes[-1])
         if "error" not in probes[-1]:
             probes[-1]["fits"] = probes[-1]["peak_rss_bytes"] <= budget
         rss = probes[-1].get("peak_rss_bytes")
@@ -115,16 +138,19 @@ def longest_sequence_cpu(args, name: str, budget: int) -> dict:
 
     step = args.max_seq_step
     lo, hi = step, step
-    while fits(hi):  # grow until a length does not fit
-        lo, hi = hi, hi * 2
-    best = lo if probes[0]["fits"] else 0
-    lo, hi = lo + step, hi - step
-    while lo <= hi:
-        mid = (lo + hi) // 2 // step * step
-        if fits(mid):
-            best, lo = mid, mid + step
-        else:
-            hi = mid - step
+    try:
+        while fits(hi):  # grow until a length does not fit
+            lo, hi = hi, hi * 2
+        best = lo if probes[0]["fits"] else 0
+        lo, hi = lo + step, hi - step
+        while lo <= hi:
+            mid = (lo + hi) // 2 // step * step
+            if fits(mid):
+                best, lo = mid, mid + step
+            else:
+                hi = mid - step
+    except _ProbeFailed as e:
+        return _search_failed(e, probes)
     return {"longest_seq_len": best, "probes": probes}
 
 
@@ -138,16 +164,20 @@ def longest_sequence(args, name: str, lo: int = 4096) -> dict:
         say(f"--max-seq {name}: trying {seq:,} tokens in a fresh process")
         t0 = time.perf_counter()
         probes.append(_run_probe(args, name, seq, "cuda"))
+        _answer(probes[-1])
         ok = bool(probes[-1].get("fits"))
         say(f"--max-seq {name}: {seq:,} tokens -> {'fits' if ok else probes[-1].get('error')} "
                   f"({time.perf_counter() - t0:.1f} s)")
         return ok
 
     best = 0
-    while lo <= hi:
-        mid = (lo + hi) // 2 // 1024 * 1024
-        if fits(mid):
-            best, lo = mid, mid + 1024
-        else:
-            hi = mid - 1024
+    try:
+        while lo <= hi:
+            mid = (lo + hi) // 2 // 1024 * 1024
+            if fits(mid):
+                best, lo = mid, mid + 1024
+            else:
+                hi = mid - 1024
+    except _ProbeFailed as e:
+        return _search_failed(e, probes)
     return {"longest_seq_len": best, "probes": probes}

@@ -105,7 +105,11 @@ def _policy(name: str) -> tuple[str, float]:
         return POLICIES[name]
     for prefix, policy in (("fulloffload", "full"), ("offload", "selective")):
         if name.startswith(prefix):
-            return policy, float(name.removeprefix(prefix))
+            try:
+                return policy, float(name.removeprefix(prefix))
+            except ValueError:  # (float's own message named neither the policy nor what A is)
+                raise ValueError(f"{prefix}A takes A, the fraction of the blocks offloaded, as a number in "
+                                 f"[0, 1] (e.g. {prefix}0.25)") from None
     raise ValueError(f"unknown policy '{name}'; use one of {list(POLICIES)}, offloadA or fulloffloadA "
                      f"(e.g. offload0.25)")
 
@@ -198,9 +202,16 @@ def measure(args, seq: int, dims=None, mesh=None) -> dict:
         policy, fraction = _policy(name)
         speak(f"{where}, {name}: measuring activations")
         t0 = time.perf_counter()
-        model = _build(model_cfg, policy, fraction, args, dims, mesh, device)
-        out[name] = _measure_policy(model, model_cfg, policy, fraction, args, seq, (head, ctx), inputs, device,
-                                    held=sum(_model_bytes(m) for m in models.values()))
+        try:
+            model = _build(model_cfg, policy, fraction, args, dims, mesh, device)
+            out[name] = _measure_policy(model, model_cfg, policy, fraction, args, seq, (head, ctx), inputs, device,
+                                        held=sum(_model_bytes(m) for m in models.values()))
+        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:  # (a policy that does not fit: its answer)
+            model = None  # (its blocks freed before _out_of_memory empties the cache)
+            out[name] = {"policy": policy, "offload_fraction": fraction, "fits": False,
+                         "error": _out_of_memory(e, device)}
+            speak(f"{where}, {name}: {out[name]['error']}")
+            continue
         speak(f"{where}, {name}: measured in {time.perf_counter() - t0:.1f} s")
         if args.time_steps > 0:
             models[name] = model
@@ -209,12 +220,31 @@ def measure(args, seq: int, dims=None, mesh=None) -> dict:
         speak(f"{where}: timing {args.time_steps} step{'s' if args.time_steps != 1 else ''} of each of "
               f"{len(models)} policies (taking turns)")
         t0 = time.perf_counter()
-        _add_step_times(out, models, inputs, args.time_steps, device)
-        speak(f"{where}: timed in {time.perf_counter() - t0:.1f} s")
-    tokens = next(iter(out.values()))["analytic"]["tokens"]  # the rank's tokens: the same under every policy
+        try:
+            _add_step_times(out, models, inputs, args.time_steps, device)
+            speak(f"{where}: timed in {time.perf_counter() - t0:.1f} s")
+        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:  # (every timed model held at once)
+            said = _out_of_memory(e, device)
+            for name in models:
+                out[name]["step_time_error"] = f"{said} (the {len(models)} timed policies' models held together)"
+            speak(f"{where}: no step times: {said}")
+    # the rank's tokens: the same under every policy (None where none was measured: each ran out of memory)
+    tokens = next((e["analytic"]["tokens"] for e in out.values() if "analytic" in e), None)
     return {"seq_len": seq, "tokens_per_rank": tokens, "model": model_cfg.preset, "layers_built": model_cfg.layers,
             "published_per_layer_16bit": published_formulas(model_cfg, seq, args.micro_batch, head * ctx),
             "policies": out}
+
+
+def _out_of_memory(e: BaseException, device) -> str:
+    """What a measurement that ran out of memory (the GPU's, or the host's: bench/max_seq.py is_host_oom) says, an
+    answer as --max-seq's probes take it: the other policies and lengths keep their figures (an OOM of `none` at a
+    long length lost the whole table). Any other error is raised."""
+    if not (isinstance(e, torch.OutOfMemoryError) or is_host_oom(e)):
+        raise e
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # (the failed policy's blocks: not the next one's to fit beside)
+    kind = "GPU out of memory" if isinstance(e, torch.OutOfMemoryError) else HOST_OOM
+    return f"{kind}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
 def _model_bytes(model) -> int:
@@ -266,7 +296,7 @@ def _add_step_times(out: dict, models: dict, inputs, steps: int, device) -> None
         out[name]["step_s"] = step_s
     base = out.get("none", {}).get("step_s")
     for entry in out.values():
-        if base:
+        if base and "step_s" in entry:  # (a policy that did not fit was not timed)
             entry["step_time_ratio_to_none"] = entry["step_s"] / base
 
 
@@ -359,7 +389,7 @@ def _measure_all(args) -> dict:
             result["max_relative_error_over_ranks"] = {
                 name: {k: max(r["policies"][name]["max_relative_error"][k] for r in per_rank)
                        for k in per_rank[0]["policies"][name]["max_relative_error"]}
-                for name in result["policies"]}
+                for name in result["policies"] if all("max_relative_error" in r["policies"][name] for r in per_rank)}
         else:
             with phase(f"seq_len {seq:,}", done_line=False):
                 result = measure(args, seq)

@@ -56,6 +56,32 @@ def _wall(layer, x, grad, repeats: int, loop: bool = False) -> dict:
     return {"min": min(runs), "median": statistics.median(runs)}
 
 
+def _out_of_memory_row(routing: str, seq: int, e: torch.OutOfMemoryError, device: torch.device) -> dict:
+    """The row of a length whose layers did not fit on the card: the rows before it were lost with the
+    traceback (`--seq-len 8192,32768,131072` printed nothing)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    said = str(e).splitlines()[0][:200] if str(e) else ""
+    common.say(f"{routing}, {seq:,} tokens: GPU out of memory ({said})")
+    return {"routing": routing, "tokens": seq, "fits": False, "error": f"GPU out of memory: {said}"}
+
+
+def _timing_row(routing: str, seq: int, bias, load: float, peak, kernel_ran: bool, walls: dict) -> dict:
+    """One routing x length's row of figures from its walls ({name: _wall's {"min", "median"}}; compiled None
+    when not asked)."""
+    kernel, loop, dense, fused = walls["kernel"], walls["loop"], walls["dense"], walls["compiled"]
+    row = {"routing": routing, "tokens": seq, "expert0_bias": bias, "load_max_over_mean": load,
+           "moe_kernel_s": kernel["min"], "moe_loop_s": loop["min"], "dense_s": dense["min"],
+           "kernel_over_dense": common.ratio(kernel["min"], dense["min"]),
+           "kernel_over_loop": common.ratio(kernel["min"], loop["min"]) if kernel_ran else None,
+           "moe_tokens_per_s": seq / kernel["min"], "moe_peak_allocated_bytes": peak,
+           "medians": {"kernel": kernel["median"], "loop": loop["median"], "dense": dense["median"]}}
+    if fused is not None:
+        row.update(moe_compiled_s=fused["min"], compiled_over_dense=common.ratio(fused["min"], dense["min"]))
+        row["medians"]["compiled"] = fused["median"]
+    return row
+
+
 def main(args, device: torch.device | None = None) -> int:
     """(`device`: cuda unless given; the CPU runs it only to check the code.)"""
     device = device or torch.device("cuda")
@@ -73,29 +99,27 @@ def main(args, device: torch.device | None = None) -> int:
     rows = []
     for routing in (r for r in args.routing.split(",") if r):
         for seq in (int(s) for s in args.seq_len.split(",") if s):
-            x = torch.randn(1, seq, args.dim, generator=gen, device=device, dtype=torch.bfloat16, requires_grad=True)
-            grad = torch.randn_like(x)
-            moe.router.expert_bias.zero_()
-            bias = common.skew(moe, x, args.skew_share) if routing == "skewed" else 0.0
-            share = common.choice_share(moe, x)
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            with phase(f"bench moe on {device.type}: {routing} routing, {seq:,} tokens", done_line=False):
-                kernel = _wall(moe, x, grad, args.repeats)
-                peak = torch.cuda.max_memory_allocated(device) if cuda else None
-                loop = _wall(moe, x, grad, args.repeats, loop=True)
-                dense_t = _wall(dense, x, grad, args.repeats)
-                fused = _wall(compiled, x, grad, args.repeats) if compiled is not None else None
-            row = {"routing": routing, "tokens": seq, "expert0_bias": bias,
-                   "load_max_over_mean": float(share.max() * args.experts),
-                   "moe_kernel_s": kernel["min"], "moe_loop_s": loop["min"], "dense_s": dense_t["min"],
-                   "kernel_over_dense": common.ratio(kernel["min"], dense_t["min"]),
-                   "kernel_over_loop": common.ratio(kernel["min"], loop["min"]) if kernel_ran else None,
-                   "moe_tokens_per_s": seq / kernel["min"], "moe_peak_allocated_bytes": peak,
-                   "medians": {"kernel": kernel["median"], "loop": loop["median"], "dense": dense_t["median"]}}
-            if fused is not None:
-                row.update(moe_compiled_s=fused["min"], compiled_over_dense=common.ratio(fused["min"], dense_t["min"]))
-                row["medians"]["compiled"] = fused["median"]
+            try:
+                x = torch.randn(1, seq, args.dim, generator=gen, device=device, dtype=torch.bfloat16,
+                                requires_grad=True)
+                grad = torch.randn_like(x)
+                moe.router.expert_bias.zero_()
+                bias = common.skew(moe, x, args.skew_share) if routing == "skewed" else 0.0
+                share = common.choice_share(moe, x)
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats(device)
+                with phase(f"bench moe on {device.type}: {routing} routing, {seq:,} tokens", done_line=False):
+                    kernel = _wall(moe, x, grad, args.repeats)
+                    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+                    loop = _wall(moe, x, grad, args.repeats, loop=True)
+                    dense_t = _wall(dense, x, grad, args.repeats)
+                    fused = _wall(compiled, x, grad, args.repeats) if compiled is not None else None
+            except torch.OutOfMemoryError as e:  # (a length past the card: its row says so, the others keep theirs)
+                x = grad = None  # (freed before the cache is emptied: not the next length's to fit beside)
+                rows.append(_out_of_memory_row(routing, seq, e, device))
+                continue
+            row = _timing_row(routing, seq, bias, float(share.max() * args.experts), peak, kernel_ran,
+                              {"kernel": kernel, "loop": loop, "dense": dense_t, "compiled": fused})
             if getattr(args, "profile", False):  # where the MoE layer's time goes, beside the dense one's
                 row["profile"] = {name: profile_call(functools.partial(common.fwd_bwd, m, x, grad), cuda)
                                   for name, m in (("moe", moe), ("dense", dense))}

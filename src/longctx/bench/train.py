@@ -3,7 +3,8 @@
 Each (model, sequence length, layout) runs `longctx train --nproc N` for a few steps in a fresh
 job, each process on its share of the cores (`threads_per_rank`; the single process all of them);
 the first step (warm-up) is dropped and tokens/s, MFU and bytes per step are averaged over the rest.
-Output: one JSON document.
+Output: one JSON document; a run that failed is its row's "error" (the other rows kept), and the command
+then exits 1.
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ def run_one(preset: str, seq: int, layout: str, steps: int, global_batch: int) -
                "--checkpoint.final=false",
                *args]
         r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode:
-            return {"preset": preset, "seq_len": seq, "layout": layout, "error": r.stderr[-1500:]}
+        if r.returncode:  # (a run killed without a word, by the OOM killer say, left an empty error)
+            how = f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit code {r.returncode}"
+            return {"preset": preset, "seq_len": seq, "layout": layout,
+                    "error": r.stderr[-1500:].strip() or f"longctx train ended with {how} and printed nothing"}
         records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     timed = [x for x in records if x["kind"] == "train" and x["step"] > 1]
     if not timed:
@@ -97,4 +100,8 @@ def main(args) -> int:
               "global_batch": args.global_batch}
     print(strict_json.dumps({"bench": "train", "date": date.today().isoformat(), "config": config, "rows": rows,
                              "machine": machine_record()}, indent=2))
+    failed = [f"{r['preset']} at {r['seq_len']:,} tokens, layout {r['layout']}" for r in rows if "error" in r]
+    if failed:  # (the other rows' figures are printed above; a script reading rc 0 took every row for measured)
+        say(f"{len(failed)} of {len(rows)} runs failed (their rows' \"error\" says why): {'; '.join(failed)}")
+        return 1
     return 0
