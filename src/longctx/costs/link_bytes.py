@@ -72,7 +72,7 @@ def _add(total: list[int], part: tuple, times: float = 1.0) -> None:
         total[i] += int(value * times)
 
 
-def _int8_blocks(elements: int, block: int) -> int:
+def int8_blocks(elements: int, block: int) -> int:
     """Bytes of `elements` values sent as int8 blocks of `block` with one fp32 scale each."""
     blocks = -(-elements // block)
     return blocks * block + 4 * blocks
@@ -96,7 +96,7 @@ def step_bytes(mode: str, units: list[Unit], nodes: int, ranks: int, block: int 
     for u in units:
         n = u.node_elements if mode == "co2" else u.elements
         plain = 4 * n * (g - 1)
-        gather = _int8_blocks(n, block) * (g - 1) if "qwz" in parts else gather_bytes * n * (g - 1)
+        gather = int8_blocks(n, block) * (g - 1) if "qwz" in parts else gather_bytes * n * (g - 1)
         _add(total, _ring(g, k, gather, group), copies * (1 if u.root or "hpz" in parts else 2))
         if "hpz" in parts and not u.root:  # backward's gather within the secondary partition, unquantised
             hpz_sent = gather_bytes * (u.hpz_elements or u.node_elements) * (level - 1)
@@ -119,9 +119,9 @@ def _qgz(n: int, nodes: int, ranks: int, block: int, group: int) -> tuple[int, i
     """qgZ's two all-to-alls for a unit whose reduce-scatter output is n elements per rank: within the
     node each rank sends ranks - 1 rows of nodes x n values (group - 1 of them inside its group);
     across nodes, nodes - 1 rows of n."""
-    row = _int8_blocks(nodes * n, block)
+    row = int8_blocks(nodes * n, block)
     inside = (group - 1) if group else 0
-    return (nodes * ranks * (nodes - 1) * _int8_blocks(n, block),
+    return (nodes * ranks * (nodes - 1) * int8_blocks(n, block),
             nodes * ranks * (ranks - 1 - inside) * row, nodes * ranks * inside * row)
 
 

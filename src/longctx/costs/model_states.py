@@ -248,6 +248,18 @@ def unit_param_shapes(m: ModelConfig) -> list[list[tuple[int, ...]]]:
     return units
 
 
+def unit_param_parts(m: ModelConfig) -> list[dict[str, list[tuple[int, ...]]]]:
+    """unit_param_shapes split by what FSDP does with them under expert parallelism (parallel/fsdp/shard.py):
+    per block and then the root, {"dense": the block's own unit, "router": the MoE routers' (their own units
+    where the blocks gather bf16), "experts": the routed experts' (their own unit over the expert-data group)}."""
+    units: list[dict[str, list[tuple[int, ...]]]] = [{"dense": [], "router": [], "experts": []}
+                                                     for _ in range(m.layers + 1)]
+    for (name, dims), (_, routed), block in zip(_param_table(m), _param_shapes(m), _param_blocks(m), strict=True):
+        part = "experts" if routed else "router" if ".feed_forward.router." in name else "dense"
+        units[block][part].append(dims)
+    return units
+
+
 def fsdp_carried_params(m: ModelConfig, shape: MeshShape) -> dict[str, int]:
     """fsdp_carried of `m`'s parameters over `shape`'s FSDP group (dp_shard x head x ctx) and expert groups."""
     return dict(_carried_params(m, shape.fsdp, shape.expert, shape.expert_data, even_shards(shape)))

@@ -12,10 +12,13 @@ from collections.abc import Callable, Sequence
 
 from ..costs.shape import MeshShape
 from .cost import Estimate
+from .expert_levels import expert_sent_per_micro_batch, why_not_described
 from .ranking import first
 from .search import PlanResult, Request
 from .slow_links import CO2_CAVEAT, co2_outer_bytes, co2_outer_seconds, link_level_bytes, three_level
 
+SCOPE = ("FSDP / HSDP / ZeRO++ / CO2 bytes and, under expert parallelism, the expert all-to-alls (uniform "
+         "routing) of one micro-batch step, job total")
 LEVELS = {"inter_node_bytes": "inter-node", "intra_node_bytes": "intra-node", "intra_group_bytes": "intra-group"}
 
 
@@ -33,6 +36,12 @@ def links_text(req: Request) -> str:
     return text
 
 
+def levels_of(e: Estimate, req: Request) -> dict[str, int] | None:
+    """slow_links.link_level_bytes of an estimate's layout, its expert all-to-alls from its own comm_bytes."""
+    sent = expert_sent_per_micro_batch(e.comm_bytes, e.grad_accum)
+    return link_level_bytes(req.model, e.mesh_shape, req.hardware, req.gpus_per_node, sent)
+
+
 def _first(rows: Sequence[Estimate], keep: Callable[[MeshShape], bool]) -> Estimate | None:
     return first(rows, lambda x: keep(x.mesh_shape))
 
@@ -47,8 +56,7 @@ def _co2_why(best: Estimate, sync: Estimate | None, req: Request) -> str:
     if sync is not None:
         text += (f"; the best sync plan ({sync.mesh_shape.describe()}) takes {sync.step_s:.4g} s per step, co2 "
                  f"{best.step_s:.4g} s ({best.step_s / sync.step_s:.2f}x)")
-        ours, theirs = (link_level_bytes(req.model, e.mesh_shape, req.hardware, req.gpus_per_node)
-                        for e in (best, sync))
+        ours, theirs = (levels_of(e, req) for e in (best, sync))
         if ours and theirs:
             text += (f", {ours['inter_node_bytes'] / 1e9:.4g} GB across nodes per step against "
                      f"{theirs['inter_node_bytes'] / 1e9:.4g}")
@@ -98,8 +106,7 @@ def _zero_pp_why(best: Estimate, res: PlanResult) -> str:
     if plain is not None:
         text += (f"; the best plain plan ({plain.mesh_shape.describe()}) takes {plain.step_s:.4g} s, ZeRO++ "
                  f"{best.step_s:.4g} s")
-        ours = link_level_bytes(req.model, best.mesh_shape, req.hardware, req.gpus_per_node)
-        theirs = link_level_bytes(req.model, plain.mesh_shape, req.hardware, req.gpus_per_node)
+        ours, theirs = levels_of(best, req), levels_of(plain, req)
         if ours and theirs and theirs["inter_node_bytes"]:
             text += f", {ours['inter_node_bytes'] / theirs['inter_node_bytes']:.2f}x its inter-node bytes"
     if three_level(req.hardware, req.gpus_per_node):
@@ -149,10 +156,10 @@ def report(res: PlanResult) -> dict:
     """The JSON's "slow_links": the lines of `why`, the chosen plan's bytes per link level (None where
     bench comm's closed forms do not describe its layout) and the held-out co2 plans."""
     best, req = res.best, res.request
-    levels = None if best is None else link_level_bytes(req.model, best.mesh_shape, req.hardware, req.gpus_per_node)
+    levels = None if best is None else levels_of(best, req)
     return {"why": why(res), "bytes_per_level": levels,
-            "bytes_per_level_scope": "FSDP / HSDP / ZeRO++ / CO2 bytes of one micro-batch step, job total (bench "
-                                     "comm's closed forms, costs/link_bytes.py); co2's outer all-reduce 1/H per step",
+            "bytes_per_level_scope": SCOPE + " (bench comm's closed forms, costs/link_bytes.py; MoE parts: "
+                                     "planner/expert_levels.py); co2's outer all-reduce 1/H per step",
             "co2_plans": [e.as_dict() for e in res.co2_plans[:3]]}
 
 
@@ -162,12 +169,15 @@ def report_text(res: PlanResult) -> list[str]:
     lines = [f"slow links: {line}" for line in rep["why"]]
     levels = rep["bytes_per_level"]
     if levels is None and res.best is not None and res.best.mesh_shape.world > 1:
-        lines.append(f"slow links: bytes per link level not given for {res.best.mesh_shape.describe()}: bench comm's "
-                     f"closed forms (costs/link_bytes.py) do not describe expert parallelism or FSDP groups that do "
-                     f"not nest in nodes; bytes per mesh dim are in --json's plans")
+        best = res.best
+        reason = (why_not_described(res.request.model, best.mesh_shape, best.comm_bytes) or
+                  "bench comm's closed forms (costs/link_bytes.py) do not describe FSDP groups that do not nest in "
+                  "nodes")
+        lines.append(f"slow links: bytes per link level not given for {best.mesh_shape.describe()}: {reason}; "
+                     f"bytes per mesh dim are in --json's plans")
     if levels:
         lines.append("slow links: bytes per link level, " + ", ".join(
             f"{LEVELS[k]} {v / 1e9:.4g} GB" for k, v in levels.items() if k != "intra_group_bytes" or v) +
             " (of the intra-node, what stays in a group)" * bool(levels["intra_group_bytes"]) +
-            ": FSDP / HSDP / ZeRO++ / CO2 bytes per step of one micro-batch, job total (bench comm's closed forms)")
+            f": {SCOPE}")
     return lines

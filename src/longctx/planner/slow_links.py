@@ -16,7 +16,8 @@ layouts, what they cost, and the bytes a plan puts on each link level.
 - Bytes per link level: bench comm's closed forms (costs/link_bytes.py; the emulated cluster's counts
   equal them for one FSDP group over every rank and for co2 with one replica per node), composed over
   the layout's replicas by the same ring rule (layout_bytes: HSDP, co2 replicas of any size that nest
-  in nodes). Expert parallelism gets None.
+  in nodes). A MoE layout adds its expert all-to-alls on the level each exchange's group spans, the routed
+  experts' and the routers' own FSDP units, and the router statistics' all-reduce (planner/expert_levels.py).
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ import dataclasses
 from ..config import ModelConfig
 from ..costs.hardware import Hardware
 from ..costs.link_bytes import Unit, fsdp_unit, layout_bytes
-from ..costs.model_states import co2_params, even_shards, unit_param_shapes
+from ..costs.model_states import co2_params, even_shards, unit_param_parts, unit_param_shapes
 from ..costs.shape import MeshShape, group_is_intra_node
 from ..costs.timing import exposed, link_bandwidth
 from ..errors import ConfigError
+from .expert_levels import moe_levels, why_not_described
 
 CO2_CAVEAT = ("co2 changes convergence: on the debug model over 8 ranks for 300 steps it ended 3.9% (H=2) to 10% "
               "(H=4) above sync's final loss (docs/benchmarks.md); check the loss against a sync run")
@@ -105,11 +107,16 @@ def slow_link_variants(shape: MeshShape, hw: Hardware, gpus_per_node: int, co2: 
 # Bytes per link level
 
 
-def planner_units(m: ModelConfig, group: int, node: int, hpz: int = 0, even: bool = True) -> list[Unit]:
+def planner_units(m: ModelConfig, group: int, node: int, hpz: int = 0, even: bool = True,
+                  parts: tuple[str, ...] = ()) -> list[Unit]:
     """One FSDP unit per block and the root, their shards per rank as FSDP2 cuts them (costs/link_bytes.py
     fsdp_unit, from the parameters' shapes, as bench comm counts them; `even` False under hpz: dim 0). Not
-    ceil(params / group): where the group does not divide a dim 0 that read 1.5% low on 2 x 3 ranks."""
-    *blocks, root = unit_param_shapes(m)
+    ceil(params / group): where the group does not divide a dim 0 that read 1.5% low on 2 x 3 ranks. `parts`:
+    only those of costs/model_states.py unit_param_parts ("dense", "router", "experts"; (): every parameter)."""
+    if parts:
+        *blocks, root = ([dims for part in parts for dims in unit[part]] for unit in unit_param_parts(m))
+    else:
+        *blocks, root = unit_param_shapes(m)
     return [*(fsdp_unit(b, group, node, hpz, even) for b in blocks), fsdp_unit(root, group, node, even=even, root=True)]
 
 
@@ -120,17 +127,33 @@ def bench_mode(shape: MeshShape) -> str | None:
     return {"": "fsdp", "hpz,qwz,qgz": "three_level" if shape.hpz_ranks else "zeropp"}.get(shape.zero_pp)
 
 
-def link_level_bytes(m: ModelConfig, shape: MeshShape, hw: Hardware, gpus_per_node: int) -> dict[str, int] | None:
-    """{"inter_node_bytes", "intra_node_bytes", "intra_group_bytes"}: the job's FSDP / ZeRO++ / CO2 bytes
-    of one step of one micro-batch (bench comm's step; co2's outer all-reduce 1 / H of a round's), by
-    link level (costs/link_bytes.py layout_bytes: bench comm's closed forms, over `shape`'s replicas);
-    None where they do not describe the layout (expert parallelism, groups that do not nest in nodes)."""
+def link_level_bytes(m: ModelConfig, shape: MeshShape, hw: Hardware, gpus_per_node: int,
+                     expert_sent: dict[str, dict[str, float]] | None = None) -> dict[str, int] | None:
+    """{"inter_node_bytes", "intra_node_bytes", "intra_group_bytes"}: the job's bytes of one step of one
+    micro-batch (bench comm's step; co2's outer all-reduce 1 / H of a round's), every rank's summed, by link
+    level (intra_group_bytes: the part of intra_node_bytes inside a three-level group): FSDP / ZeRO++ / CO2's
+    (costs/link_bytes.py layout_bytes: bench comm's closed forms, over `shape`'s replicas) and, for a MoE model,
+    its router statistics' all-reduce and under expert parallelism the expert all-to-alls (`expert_sent`: one
+    rank's per micro-batch, expert_levels.expert_sent_per_micro_batch of the plan's Estimate) and the experts'
+    own FSDP units (planner/expert_levels.py). None where they do not describe the layout: groups that do not
+    nest in nodes, and the expert layouts expert_levels.why_not_described names (FlexMoE's copies, routing
+    across tokens, co2 with experts, no per-rank expert bytes given)."""
     world, mode = shape.world, bench_mode(shape)
-    if mode is None or shape.expert > 1 or world == 1:
+    if mode is None or world == 1 or why_not_described(m, shape, expert_sent):
         return None
     nodes, ranks = max(1, world // gpus_per_node), min(world, gpus_per_node)
-    units = planner_units(m, shape.fsdp, min(shape.fsdp, ranks), shape.hpz_ranks, even_shards(shape))
-    return layout_bytes(mode, units, nodes, ranks, shape.dp_replicate, block=shape.quant_block,
-                        local_steps=shape.local_steps or
-                        max(CO2_LOCAL_STEPS), group=three_level(hw, gpus_per_node), hpz_ranks=shape.hpz_ranks,
-                        gather_bytes=hw.dtype_bytes)
+    group = three_level(hw, gpus_per_node)
+    # under expert parallelism the routed experts are units of their own (expert_levels); where the blocks
+    # gather bf16 the routers too, gathered in fp32 (parallel/fsdp/shard.py)
+    apart = m.is_moe and shape.expert > 1
+    own_routers = apart and hw.dtype_bytes != 4
+    dense = ("dense",) if own_routers else ("dense", "router") if apart else ()
+    units = planner_units(m, shape.fsdp, min(shape.fsdp, ranks), shape.hpz_ranks, even_shards(shape), dense)
+    levels = layout_bytes(mode, units, nodes, ranks, shape.dp_replicate, block=shape.quant_block,
+                          local_steps=shape.local_steps or
+                          max(CO2_LOCAL_STEPS), group=group, hpz_ranks=shape.hpz_ranks, gather_bytes=hw.dtype_bytes)
+    if levels is None or not m.is_moe:
+        return levels
+    routers = (planner_units(m, shape.fsdp, min(shape.fsdp, ranks), shape.hpz_ranks, even_shards(shape), ("router",))
+               if own_routers else [])
+    return moe_levels(levels, m, shape, hw.dtype_bytes, gpus_per_node, group, expert_sent, routers)
