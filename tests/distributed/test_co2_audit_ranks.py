@@ -137,11 +137,39 @@ def _replay(s: dict, cfg, batches: list) -> tuple[list[float], torch.Tensor]:
 ACCUM = dict(FULL, extra=["--train.grad_accum=2", "--train.global_batch=8", "--memory.grad_sync=micro_batch"])
 
 
-@pytest.mark.parametrize("name,settings,world", [("plain", PLAIN, 2), ("full", FULL, 4), ("accum", ACCUM, 4)])
-def test_trainer_co2_matches_a_replay_of_the_algorithm(tmp_path, name, settings, world):
+REPLAYED = [("plain", PLAIN, 2), ("full", FULL, 4), ("accum", ACCUM, 4)]
+
+
+def _replayed_settings(settings: dict, world: int) -> dict:
     if world == 4:  # (2 replicas of 2 FSDP ranks)
-        settings = dict(settings, extra=[*settings.get("extra", []), "--parallel.dp_shard=2"])
-    ranks = run_spawned_many(world, [(name, _trained, (settings, str(tmp_path / name)))])[name]
+        return dict(settings, extra=[*settings.get("extra", []), "--parallel.dp_shard=2"])
+    return settings
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """spawned(world) -> ({key: per-rank results}, run directory): every run of this module on `world` ranks in
+    one job, run on first use (the 2-rank runs of the debug model under co2 paid the ranks' start and their
+    first step's set-up in three jobs); the runs a resume reads come before it."""
+    done = {}
+
+    def get(world):
+        if world not in done:
+            d = tmp_path_factory.mktemp(f"co2-world{world}")
+            jobs = [(name, _trained, (_replayed_settings(s, w), str(d / name)))
+                    for name, s, w in REPLAYED if w == world]
+            if world == 2:
+                jobs += _resume_jobs(d) + _lengthened_jobs(d)
+            done[world] = (run_spawned_many(world, jobs), d)
+        return done[world]
+
+    return get
+
+
+@pytest.mark.parametrize("name,settings,world", REPLAYED)
+def test_trainer_co2_matches_a_replay_of_the_algorithm(tmp_path, name, settings, world, spawned):
+    settings = _replayed_settings(settings, world)
+    ranks = spawned(world)[0][name]
     per = world // 2
     # each replica's step: its ranks' shares together
     replicas = [[[share for rank in ranks[r * per:(r + 1) * per] for share in rank["batches"][step]]
@@ -169,15 +197,19 @@ def _losses_and_weights(s: dict, run_dir: str, extra: list[str]) -> tuple[list[f
     return losses, state["co2"]["weights"].numpy()
 
 
-def test_a_checkpoint_with_outer_momentum_and_a_change_in_flight_resumes_exactly(tmp_path):
+def _resume_jobs(d) -> list:
     # 10 steps of FULL (H 3, merged 2 steps after): round ends 3, 6, 9, merges 5, 8; the checkpoint at step 7
     # holds a non-zero outer momentum (merge 5) and round 6's change in flight, merged at step 8 after the resume
     longer = ["--train.steps=10", "--checkpoint.interval=7", "--checkpoint.final=true"]
-    whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
-    out = run_spawned_many(2, [
-        ("whole", _losses_and_weights, (FULL, whole, longer)),
-        ("resumed", _losses_and_weights, (FULL, resumed,
-                                          [*longer, f"--checkpoint.resume={whole}/checkpoints/step-00000007"]))])
+    whole, resumed = str(d / "whole"), str(d / "resumed")
+    return [("whole", _losses_and_weights, (FULL, whole, longer)),
+            ("resumed", _losses_and_weights, (FULL, resumed,
+                                              [*longer, f"--checkpoint.resume={whole}/checkpoints/step-00000007"]))]
+
+
+def test_a_checkpoint_with_outer_momentum_and_a_change_in_flight_resumes_exactly(spawned):
+    out, d = spawned(2)
+    whole = str(d / "whole")
     (losses, weights), (again, weights_again) = out["whole"][0], out["resumed"][0]
     assert len(again) == 3 and again == pytest.approx(losses[7:], rel=1e-6, abs=1e-6)
     assert float(abs(weights - weights_again).max()) < 1e-6
@@ -208,17 +240,21 @@ def _said_on_resume(s: dict, run_dir: str, extra: list[str]) -> list[str]:
     return [x for x in lines if x.startswith("co2: ")]
 
 
-def test_a_lengthened_run_resumed_from_its_last_step_says_it_goes_on_from_the_average(tmp_path):
+def _lengthened_jobs(d) -> list:
     # the last step's checkpoint holds the replicas' average with the outer momentum reset (final_average): a run
     # lengthened from it trains another trajectory than the uninterrupted longer run (docs/parallelism.md), said
     # once; from a checkpoint before the last step (the interval's) it goes on exactly and says nothing
-    short = str(tmp_path / "short")
+    short = str(d / "short")
     runs = [("short", _said_on_resume, (FULL, short, ["--train.steps=4", "--checkpoint.interval=3",
                                                       "--checkpoint.final=true"]))]
     for name, step in (("from last", 4), ("from interval", 3)):
-        runs.append((name, _said_on_resume, (FULL, str(tmp_path / name), [
+        runs.append((name, _said_on_resume, (FULL, str(d / name), [
             "--train.steps=5", f"--checkpoint.resume={short}/checkpoints/step-{step:08d}"])))
-    out = run_spawned_many(2, runs)
+    return runs
+
+
+def test_a_lengthened_run_resumed_from_its_last_step_says_it_goes_on_from_the_average(spawned):
+    out = spawned(2)[0]
     assert out["short"][0] == [] and out["from interval"][0] == []
     (note,) = out["from last"][0]
     assert "step-00000004 is its run's last step (4)" in note and "averaged" in note and "momentum" in note

@@ -9,9 +9,9 @@ over a replica of 2 ranks; 2 replicas (4 ranks), nodes of 2 (hpz over the whole 
 import pytest
 
 from longctx.config import load_config
-from longctx.job.spawn import run_spawned
+from longctx.job.spawn import run_spawned_many
 
-pytestmark = pytest.mark.slow  # three 4-rank jobs of 4, 2 and 2 steps: ~50 s on a 2-core CPU
+pytestmark = pytest.mark.slow  # three 4-rank runs of 4, 2 and 2 steps: ~50 s on a 2-core CPU
 
 BASE = ["--model.preset=debug-moe", "--model.moe.experts=3", "--model.moe.top_k=1", "--model.layers=1",
         "--model.moe.dense_layers=", "--train.seq_len=64", "--train.global_batch=4", "--train.steps=4",
@@ -30,13 +30,18 @@ def _run(args, run_dir):
 
 
 def test_a_co2_resume_with_hpz_added_goes_on_from_the_weights(tmp_path):
-    uninterrupted = run_spawned(4, _run, ["--checkpoint.final=false"], str(tmp_path))[0][1]
     saved = tmp_path / "checkpoints" / "step-00000002"
-    # (the same cut: each rank's CO2 state is restored, and the run goes on as if never stopped)
-    same = run_spawned(4, _run, [f"--checkpoint.resume={saved}"], str(tmp_path / "same"))[0]
+    # the three runs one after another in one job (run_spawned_many: a job each started 4 ranks three times);
+    # both resumes read the uninterrupted run's step-2 checkpoint, saved before it returns
+    runs = run_spawned_many(4, [
+        ("uninterrupted", _run, (["--checkpoint.final=false"], str(tmp_path))),
+        # (the same cut: each rank's CO2 state is restored, and the run goes on as if never stopped)
+        ("same", _run, ([f"--checkpoint.resume={saved}"], str(tmp_path / "same"))),
+        ("hpz", _run, (["--parallel.zero_pp=hpz", f"--checkpoint.resume={saved}"], str(tmp_path)))])
+    uninterrupted, same = runs["uninterrupted"][0][1], runs["same"][0]
     assert same[0] == 3 and max(abs(a - b) for a, b in zip(same[1], uninterrupted[2:], strict=True)) < 1e-5, same
     assert not any("otherwise" in x or "another layout" in x for x in same[2]), same[2]
-    ranks = run_spawned(4, _run, ["--parallel.zero_pp=hpz", f"--checkpoint.resume={saved}"], str(tmp_path))
+    ranks = runs["hpz"]
     for first, losses, _ in ranks:
         assert first == 3 and len(losses) == 2, (first, losses)
     said = ranks[0][2]  # (rank 0 speaks for the job)

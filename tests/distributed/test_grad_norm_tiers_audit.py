@@ -142,15 +142,17 @@ def _poison_hook(trainer, rank: int, step: int, value: float):
 
 
 def _probe(args, run_dir, steps=1, poison=None):
-    """On each rank: per step the gradients before clipping, the norm returned, the gradients applied, and the
-    weights after the step; the metrics file's grad_norm; and this rank's losses."""
+    """On each rank: per step the gradients before clipping, the norm returned, the gradients applied, and (the
+    non-finite runs, `poison` given: their test alone reads them) the weights before step 1 and after each step;
+    the metrics file's grad_norm; and this rank's losses. (Gathering every weight three times and pickling it in
+    float64 was work no check of the other runs read.)"""
     from longctx.config import load_config
     from longctx.train import step_run
     from longctx.train import trainer as trainer_mod
 
     cfg = load_config("configs/debug.toml", [*BASE, *args, f"--train.steps={steps}", f"--train.run_dir={run_dir}"])
     trainer = trainer_mod.Trainer(cfg, log=lambda *a, **k: None)
-    out = {"raw": [], "applied": [], "norm": [], "own_norm": [], "applied_flag": [], "after": []}
+    out = {"raw": [], "applied": [], "norm": [], "own_norm": [], "applied_flag": [], "after": [], "before": {}}
     state = _poison_hook(trainer, *poison) if poison else None
     clip, guarded, step_fn = step_run.clip_step_gradients, step_run.guarded_step, trainer.step
 
@@ -168,13 +170,14 @@ def _probe(args, run_dir, steps=1, poison=None):
     def step_recorded(step):
         if state is not None:
             state["step"] = step
-        if step == 1:
+        if step == 1 and poison:
             out["before"] = _weights(trainer.model)
         loss, norm, lr = step_fn(step)
         out["norm"].append(float(norm))
         if hasattr(trainer.optimizer, "finish_update"):
             trainer.optimizer.finish_update()
-        out["after"].append(_weights(trainer.model))
+        if poison:
+            out["after"].append(_weights(trainer.model))
         return loss, norm, lr
 
     step_run.clip_step_gradients, step_run.guarded_step, trainer.step = clip_recorded, guarded_recorded, \
