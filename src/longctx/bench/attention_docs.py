@@ -300,6 +300,16 @@ def _single_process_kinds(args, ids) -> dict:
     return single
 
 
+def _closed_form_bytes(args, ids) -> dict[str, dict[str, int]]:
+    """The bytes each rank's attention sends by the closed form (parallel/context/volumes.py attention_bytes) for
+    the layout the documents `ids` get (whether they stay on their rank), which run_docs checks the ranks' against."""
+    return attention_bytes(seq=args.seq_len, batch=args.micro_batch, heads=args.heads, kv_heads=args.kv_heads,
+                           head_dim=args.head_dim, head=args.head, ctx=args.ctx,
+                           elem=torch.empty(0, dtype=DTYPES[args.dtype]).element_size(), docs=False,
+                           docs_stay=plan_layout(ids, args.ctx, args.head,
+                                                 balance=args.seq_balance).documents_stay_on_their_rank)
+
+
 def run_docs(args) -> dict:
     """--docs: one process (packed vs per-document sum vs plain causal: CPU seconds and peak memory
     growth, each measured in a fresh process), the distributed run with the layout, the work
@@ -316,11 +326,7 @@ def run_docs(args) -> dict:
     # the per-document reference again, `world` copies at once: the ranks' load (more ranks than cores)
     with phase(f"per-document attention, {args.world} copies at once"):
         loaded = run_spawned(args.world, _one_process, args, ids, "per_document", threads=args.threads)
-    expected = attention_bytes(seq=args.seq_len, batch=args.micro_batch, heads=args.heads, kv_heads=args.kv_heads,
-                               head_dim=args.head_dim, head=args.head, ctx=args.ctx,
-                               elem=torch.empty(0, dtype=DTYPES[args.dtype]).element_size(), docs=False,
-                               docs_stay=plan_layout(ids, args.ctx, args.head,
-                                                     balance=args.seq_balance).documents_stay_on_their_rank)
+    expected = _closed_form_bytes(args, ids)
     work = _work(ids, args)
     rank_cpu = [r["fwd_cpu_s"] + r["bwd_cpu_s"] for r in ranks]
     sum_cpu = sum(rank_cpu)

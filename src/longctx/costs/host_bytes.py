@@ -59,6 +59,7 @@ import math
 from ..config import ModelConfig
 from ..memory.accounting import activation_dtype, estimate_activations
 from ..memory.core_transients import attention_offload_host_and_traffic
+from ..memory.hier_transients import hier_transient_bytes
 from ..memory.host_parts import pinned_activation_bytes, pinned_attention_offload_bytes
 from ..memory.policy import MemoryPolicy
 from ..memory.transients import shared_overlap_transient_bytes, transient_bytes
@@ -405,6 +406,8 @@ def predicted_rank_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy,
     transient = transient_bytes(m, seq_len, micro_batch, window=shape.window, docs=doc_mask, acts=acts,
                                 autocast=copies, head_grad=head_grad_bytes(m, shape, tier), **acts_kw)
     transient += shared_overlap_transient_bytes(m, acts.tokens, shape.expert, policy, act_bytes, copies)
+    transient += hier_transient_bytes(m, acts.tokens, shape.expert, shape.expert_ranks_per_node, policy, act_bytes,
+                                      autocast=copies)
     attn_host, _ = attention_offload_host_and_traffic(m, seq_len, micro_batch, **kw)
     acts_host, attn_host = offloaded_host_bytes(m, shape, policy, seq_len=seq_len, micro_batch=micro_batch,
                                                 act_bytes=act_bytes, dtype_bytes=dtype_bytes,

@@ -280,6 +280,41 @@ def activation_dtype(bf16: bool, world: int, model_states: str, device_type: str
     return 2, False
 
 
+def _per_token_by_kind(model: ModelConfig, seq_len: int, head: int, p: int, docs: bool, policy: MemoryPolicy,
+                       expert: int, autocast: bool, chunks: int) -> dict[bool, tuple]:
+    """layer_activations' per-token figures of each kind of block (MoE or not, the model's kinds only): (its
+    parts, a kept block's device bytes and recomputed FLOPs, an offloaded block's host and device bytes, the
+    chunked core's host state, an offloaded block's recomputed FLOPs)."""
+    rc, A = policy.recompute, float(policy.offload_fraction)
+    # the attention output in sequence layout is a tensor of its own under the head all-to-all, and
+    # when the core's state (its output included) is in host memory (attention_offload)
+    attention_offload = policy.attention_offloaded
+    sparse = set(model.moe_layer_ids)
+    by_kind = {}
+    for moe in {i in sparse for i in range(model.layers)}:
+        part = block_part_bytes(model, head, p, docs, moe=moe, autocast=autocast)
+        fl = _flops_per_token(model, seq_len, moe=moe, expert=expert)
+        seq_out = part["attn_out"] if head > 1 or attention_offload else 0.0
+        core_device = 0.0 if attention_offload else part["core"]
+        kept, recompute = _kept_block(rc, part, fl, seq_out, core_device, chunks)
+        host, off_device = _offloaded_block(rc, part, p, model.dim, A, seq_out)
+        # the chunked core's host-resident state, in the blocks the block offloader does not cover
+        core_host = part["core"] if attention_offload and rc in ("selective", "none") else 0.0
+        offloaded_recompute = recompute if rc == "full" else (1 - A) * (fl["pre"] + fl["post"] - fl["unsaved_tail"])
+        by_kind[moe] = (part, kept, recompute, host, off_device, core_host, offloaded_recompute)
+    return by_kind
+
+
+def _weight_copy_bytes(model: ModelConfig, moe: bool, calls: list[tuple[int, bool]], policy: MemoryPolicy,
+                       expert: int, expert_skew: float) -> float:
+    """The bf16 weight copies autocast's saved matmuls keep in a block whose token-wise forward is stored
+    (layer_activations' `autocast`): 2 B per matmul parameter, of a MoE block the experts its stored calls use."""
+    if moe and model.is_moe:  # (no copy of the router's fp32 gate, nor of experts run in pieces)
+        copied = experts_copied(model, calls, policy.expert_chunk, expert, expert_skew)
+        return 2 * (attention_matmul_params(model) + moe_weight_copy_params(model, copied, expert))
+    return 2 * matmul_params_per_layer(model, moe)
+
+
 def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *, head: int = 1, ctx: int = 1,
                       policy: MemoryPolicy = NO_POLICY, dtype_bytes: int = 4,
                       docs: bool = False, expert: int = 1, expert_skew: float = 1.0,
@@ -299,28 +334,12 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
         raise ValueError(f"seq_len {seq_len} is not divisible by head x ctx = {head * ctx}")
     p, rc = dtype_bytes, policy.recompute
     tokens = micro_batch * seq_len // (head * ctx)
-    A = float(policy.offload_fraction)
     L = model.layers
-    offloaded = max(0, L - policy.offload_skip_last) if A > 0 else 0
-    # the attention output in sequence layout is a tensor of its own under the head all-to-all, and
-    # when the core's state (its output included) is in host memory (attention_offload)
-    attention_offload = policy.attention_offloaded
-    block_chunked = bool(policy.block_chunk) and tokens > policy.block_chunk
-    chunks = -(-tokens // policy.block_chunk) if block_chunked else 1
+    offloaded = max(0, L - policy.offload_skip_last) if float(policy.offload_fraction) > 0 else 0
+    chunks = -(-tokens // policy.block_chunk) if policy.block_chunk and tokens > policy.block_chunk else 1
     loss_chunked = bool(policy.loss_chunk) and tokens > policy.loss_chunk
     sparse = set(model.moe_layer_ids)
-    by_kind = {}
-    for moe in {i in sparse for i in range(L)}:
-        part = block_part_bytes(model, head, p, docs, moe=moe, autocast=autocast)
-        fl = _flops_per_token(model, seq_len, moe=moe, expert=expert)
-        seq_out = part["attn_out"] if head > 1 or attention_offload else 0.0
-        core_device = 0.0 if attention_offload else part["core"]
-        kept, recompute = _kept_block(rc, part, fl, seq_out, core_device, chunks)
-        host, off_device = _offloaded_block(rc, part, p, model.dim, A, seq_out)
-        # the chunked core's host-resident state, in the blocks the block offloader does not cover
-        core_host = part["core"] if attention_offload and rc in ("selective", "none") else 0.0
-        offloaded_recompute = recompute if rc == "full" else (1 - A) * (fl["pre"] + fl["post"] - fl["unsaved_tail"])
-        by_kind[moe] = (part, kept, recompute, host, off_device, core_host, offloaded_recompute)
+    by_kind = _per_token_by_kind(model, seq_len, head, p, docs, policy, expert, autocast, chunks)
     out, moe_terms = [], {}
     # a block's figures depend on its index only through these (whether it is a MoE block, offloaded, the last
     # offloaded, the last: _output_held reads i only as i == L - 1): each kind is computed once, by the same
@@ -345,11 +364,7 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
                 device -= tokens * part["block_out"]
         calls = moe_calls(rc, off, tokens, policy) if moe and model.is_moe else []
         if autocast and (rc == "none" or (rc == "selective" and off)):
-            if moe and model.is_moe:  # (no copy of the router's fp32 gate, nor of experts run in pieces)
-                copied = experts_copied(model, calls, policy.expert_chunk, expert, expert_skew)
-                device += 2 * (attention_matmul_params(model) + moe_weight_copy_params(model, copied, expert))
-            else:
-                device += 2 * matmul_params_per_layer(model, moe)
+            device += _weight_copy_bytes(model, moe, calls, policy, expert, expert_skew)
         if moe and model.is_moe:
             if off not in moe_terms:  # the same for every MoE layer offloaded (or not)
                 moe_terms[off] = moe_call_terms(model, p, calls, policy.expert_chunk, off, expert, expert_skew,

@@ -193,13 +193,7 @@ def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: 
                      f"memory per rank{taken}; raise memory.offload_skip_last or add host memory")
     a_link = (block_seconds * link_bytes_per_s - fixed) / other
     a_mem = (budget - fixed_rank) / other_rank
-    fraction = math.floor(min(1.0, a_link, a_mem) * 20) / 20
-    if fraction < 0.05:
-        # a slow link may not push the fraction under 0.05 (its transfers then show), host memory must:
-        # a fraction above a_mem would put more on the host than it holds
-        fraction = 0.05 if a_mem >= 0.05 else max(math.floor(a_mem * 1000) / 1000, 1e-6)
-    limit = ("host memory" if a_mem < min(1.0, a_link, 0.05) else "the host link" if a_link <= min(1.0, a_mem)
-             else "host memory" if a_mem < 1.0 else "nothing")
+    fraction, limit = _fraction_and_limit(a_link, a_mem)
     reason = (f"offload_fraction auto -> {fraction:.3g} (limited by {limit}): a block's forward takes "
               f"{block_seconds * 1e3:.1f} ms and the host link moves {link_bytes_per_s / 1e9:.1f} GB/s; a block "
               f"always offloads {fixed / 2**20:.1f} MiB (input, attention state) plus A x {other / 2**20:.1f} MiB, "
@@ -208,10 +202,23 @@ def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: 
     if a_link < 0.05:
         reason += " (transfers will not fully hide behind compute even at the smallest fraction)"
     if pinned:
-        fraction, reason = _fit_pinned(
-            fraction, reason, lambda a: pinned_activation_bytes(model_cfg, seq_len, micro_batch, policy=at(a), **shape),
-            budget)
+        locked = lambda a: pinned_activation_bytes(model_cfg, seq_len, micro_batch, policy=at(a), **shape)
+        fraction, reason = _fit_pinned(fraction, reason, locked, budget)
     return fraction, reason
+
+
+def _fraction_and_limit(a_link: float, a_mem: float) -> tuple[float, str]:
+    """choose_offload_fraction's fraction, in steps of 0.05 (finer only where host memory allows less than
+    0.05), from the largest the host link hides (`a_link`) and host memory holds (`a_mem`), and which of them
+    limits it."""
+    fraction = math.floor(min(1.0, a_link, a_mem) * 20) / 20
+    if fraction < 0.05:
+        # a slow link may not push the fraction under 0.05 (its transfers then show), host memory must:
+        # a fraction above a_mem would put more on the host than it holds
+        fraction = 0.05 if a_mem >= 0.05 else max(math.floor(a_mem * 1000) / 1000, 1e-6)
+    limit = ("host memory" if a_mem < min(1.0, a_link, 0.05) else "the host link" if a_link <= min(1.0, a_mem)
+             else "host memory" if a_mem < 1.0 else "nothing")
+    return fraction, limit
 
 
 def _fit_pinned(fraction: float, reason: str, locked, budget: float) -> tuple[float, str]:

@@ -258,8 +258,40 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int
     block's backward, the latter less what the loss's backward freed before it
     (`loss_saved_bytes`: the final norm's and the loss's saved tensors, the last block's output they
     held; with an unchunked loss over a large vocabulary 4 x vocab bytes per token, once counted twice
-    at the block's peak). A block's backward runs in phases, and what is alive in each follows the
-    implementation (autograd frees a gradient once its consumer has run):
+    at the block's peak). Its phases: block_after_loss_bytes.
+
+    Not modelled: the attention kernel's own workspace. On CPU, glibc keeps freed heap memory
+    mapped (its mmap threshold grows with the largest freed block), so a process's RSS can exceed
+    the live bytes by ~2x; benchmarks compare with MALLOC_MMAP_THRESHOLD_ fixed (docs/benchmarks.md).
+
+    The LM head holds one chunk of logits in the compute dtype and in fp32 and the hidden-state gradient
+    (unchunked: two fp32 gradients of all the logits; `lm_head_bytes`). Model-wise
+    estimates of the allocator's behaviour; the saved activations are the exact part.
+
+    `autocast`: one process in bf16 autocast over fp32 weights (memory/accounting.py activation_dtype: (4,
+    True), dtype_bytes 4). Each tensor is then counted at the dtype it has: the residual stream (block
+    inputs and outputs, dy and the residual / input gradients being built), the norms' statistics and
+    outputs, the fp32 dq / dk / dv accumulators, the log-sum-exp and the logits' fp32 copy at 4 B; the
+    matmuls' and the attention kernel's outputs (q, k, v, the attention output, the MLP's intermediates, a
+    chunk of logits), their gradients and the kernel's gradients and GQA repeats at 2 B (compute_bytes).
+    Without it, fp32 (4) and FSDP's bf16 (2) runs count every tensor at dtype_bytes as before.
+    (tests/unit/test_autocast_transients.py measures the step's peak on CPU.)"""
+    e = dtype_bytes
+    t = micro_batch * seq_len // (head * ctx)
+    block = block_after_loss_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, window=window, policy=policy,
+                                   dtype_bytes=e, docs=docs, acts=acts, autocast=autocast)
+    # + the backward's seed, ones_like(loss): one fp32 scalar, alive throughout (the post phase over all tokens
+    # is counted to the byte: without it, 4 B under the measured peak in fp32)
+    return max(block, lm_head_bytes(m, t, policy.loss_chunk, e, autocast) + head_grad) + 4
+
+
+def block_after_loss_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int, window: int,
+                           policy: MemoryPolicy, dtype_bytes: int, docs: bool, acts: ActivationEstimate | None,
+                           autocast: bool = False) -> float:
+    """transient_bytes' block term: the largest block backward's bytes beyond the saved activations
+    (_block_backward_bytes), less what the loss's backward freed before it (loss_saved_bytes). A block's
+    backward runs in phases, and what is alive in each follows the implementation (autograd frees a gradient
+    once its consumer has run):
 
     - what comes back from the host under offload: the block's host tier (under selective whole in
       `post`, then what the core's and pre's backward still read: accounting.offloaded_tier_after_post);
@@ -290,33 +322,13 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int
       backward (in fp32), the projections' input gradients summed, or the attention norm's fp32 backward (not
       post's piece: the MLP's intermediates and gradients are gone by then); less what the block saved that
       the phases before it freed (pre_saved_bytes: the core's state, post's tensors). An offloaded block's
-      phases hold none of the kept blocks' saved activations (kept_blocks_freed_bytes).
-
-    Not modelled: the attention kernel's own workspace. On CPU, glibc keeps freed heap memory
-    mapped (its mmap threshold grows with the largest freed block), so a process's RSS can exceed
-    the live bytes by ~2x; benchmarks compare with MALLOC_MMAP_THRESHOLD_ fixed (docs/benchmarks.md).
-
-    The LM head holds one chunk of logits in the compute dtype and in fp32 and the hidden-state gradient
-    (unchunked: two fp32 gradients of all the logits; `lm_head_bytes`). Model-wise
-    estimates of the allocator's behaviour; the saved activations are the exact part.
-
-    `autocast`: one process in bf16 autocast over fp32 weights (memory/accounting.py activation_dtype: (4,
-    True), dtype_bytes 4). Each tensor is then counted at the dtype it has: the residual stream (block
-    inputs and outputs, dy and the residual / input gradients being built), the norms' statistics and
-    outputs, the fp32 dq / dk / dv accumulators, the log-sum-exp and the logits' fp32 copy at 4 B; the
-    matmuls' and the attention kernel's outputs (q, k, v, the attention output, the MLP's intermediates, a
-    chunk of logits), their gradients and the kernel's gradients and GQA repeats at 2 B (compute_bytes).
-    Without it, fp32 (4) and FSDP's bf16 (2) runs count every tensor at dtype_bytes as before.
-    (tests/unit/test_autocast_transients.py measures the step's peak on CPU.)"""
+      phases hold none of the kept blocks' saved activations (kept_blocks_freed_bytes)."""
     e = dtype_bytes
-    t = micro_batch * seq_len // (head * ctx)
     block = _block_backward_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, window=window, policy=policy,
                                   e=e, docs=docs, acts=acts, autocast=autocast)
     # a block's backward runs after the loss's: what the final norm and the loss saved is freed by then
     freed = loss_saved_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy, dtype_bytes=e)
-    # + the backward's seed, ones_like(loss): one fp32 scalar, alive throughout (the post phase over all tokens
-    # is counted to the byte: without it, 4 B under the measured peak in fp32)
-    return max(block - freed, lm_head_bytes(m, t, policy.loss_chunk, e, autocast) + head_grad) + 4
+    return block - freed
 
 
 def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int, window: int,

@@ -14,6 +14,7 @@ from ..costs.shape import MeshShape
 from ..costs.timing import Flops, compute_seconds, micro_batch_flops
 from ..memory.accounting import ActivationEstimate, activation_dtype, estimate_activations
 from ..memory.core_transients import attention_offload_host_and_traffic
+from ..memory.hier_transients import hier_transient_bytes
 from ..memory.policy import MemoryPolicy
 from ..memory.transients import expert_skew_transient_bytes, shared_overlap_transient_bytes, transient_bytes
 
@@ -38,14 +39,17 @@ def rank_transient(m: ModelConfig, seq_len: int, micro_batch: int, shape: MeshSh
                    dtype_bytes: int, docs: bool, acts: ActivationEstimate, expert_skew: float = 1.0,
                    autocast: bool = False, head_grad: float = 0.0) -> float:
     """rank_activations' transient bytes, given its activations: of the shape only head, ctx, the Double-Ring
-    window and the expert degree are read (the activations themselves do not depend on the window).
+    window, the expert degree and its hierarchical dispatch (memory/hier_transients.py) are read (the activations
+    themselves do not depend on the window).
     `autocast`: bf16 autocast over fp32 weights (activation_dtype's weight copies; transient_bytes); `head_grad`:
     the tier's bytes in the LM head's backward alone (costs/host_bytes.py head_grad_bytes)."""
     transient = transient_bytes(m, seq_len, micro_batch, head=shape.head, ctx=shape.ctx, window=shape.window,
                                 policy=policy, dtype_bytes=dtype_bytes, docs=docs, acts=acts, autocast=autocast,
                                 head_grad=head_grad)
     return (transient + expert_skew_transient_bytes(m, acts.tokens, shape.expert, expert_skew, policy, dtype_bytes)
-            + shared_overlap_transient_bytes(m, acts.tokens, shape.expert, policy, dtype_bytes, autocast))
+            + shared_overlap_transient_bytes(m, acts.tokens, shape.expert, policy, dtype_bytes, autocast)
+            + hier_transient_bytes(m, acts.tokens, shape.expert, shape.expert_ranks_per_node, policy, dtype_bytes,
+                                   expert_skew, autocast))
 
 
 @dataclass(frozen=True)
