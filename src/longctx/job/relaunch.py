@@ -279,9 +279,13 @@ def _first_failure(failures: dict, nproc: int, passed=(), crashed: dict[int, flo
     # the launcher itself stopped with SIGTERM.
     crashed = crashed or {}
 
+    # (a rank that exits 128 + SIGTERM / SIGINT stopped on that signal itself, as `longctx eval` does to keep its
+    # finished lengths (eval/stopped.py): torchrun's own signal, as one the signal's default action ended)
+    stopped = {-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT}
+
     def cause(r):
         code = failures[r].exitcode or 0
-        kind = 0 if code < 0 and -code not in (signal.SIGTERM, signal.SIGINT) else (1 if code > 0 else 2)
+        kind = 2 if code in stopped or code == 0 else (0 if code < 0 else 1)
         return failures[r].timestamp, kind, crashed.get(r, math.inf), r
 
     first_rank = min(failures, key=cause)

@@ -144,11 +144,13 @@ def link_level_bytes(m: ModelConfig, shape: MeshShape, hw: Hardware, gpus_per_no
     nodes, ranks = max(1, world // gpus_per_node), min(world, gpus_per_node)
     group = three_level(hw, gpus_per_node)
     # under expert parallelism the routed experts are units of their own (expert_levels); where the blocks
-    # gather bf16 the routers too, gathered in fp32 (parallel/fsdp/shard.py)
+    # gather bf16 each router is too, gathered in fp32, at any expert degree (parallel/fsdp/shard.py); under co2
+    # (expert 1 only) they stay in the blocks' units, which co2's outer all-reduce counts with the rest
     apart = m.is_moe and shape.expert > 1
-    own_routers = apart and hw.dtype_bytes != 4
-    dense = ("dense",) if own_routers else ("dense", "router") if apart else ()
-    units = planner_units(m, shape.fsdp, min(shape.fsdp, ranks), shape.hpz_ranks, even_shards(shape), dense)
+    own_routers = m.is_moe and hw.dtype_bytes != 4 and shape.data_parallel != "co2"
+    in_blocks = ("dense", *(() if own_routers else ("router",)), *(() if apart else ("experts",)))
+    units = planner_units(m, shape.fsdp, min(shape.fsdp, ranks), shape.hpz_ranks, even_shards(shape),
+                          in_blocks if m.is_moe else ())
     levels = layout_bytes(mode, units, nodes, ranks, shape.dp_replicate, block=shape.quant_block,
                           local_steps=shape.local_steps or
                           max(CO2_LOCAL_STEPS), group=group, hpz_ranks=shape.hpz_ranks, gather_bytes=hw.dtype_bytes)
