@@ -122,6 +122,7 @@ class Watchdog:
         self.exit_process = exit_process  # (False in tests of the record itself)
         self.step, self.phase, self.last = 0, "setup", time.monotonic()
         self._written, self._written_next = 0, 0.0  # (the save's bytes at the last look, and when to look again)
+        self._read, self._read_next = -(1 << 62), 0.0  # (the process's bytes read at the last look: a load's)
         self.fired = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="longctx-watchdog", daemon=True)
@@ -148,11 +149,11 @@ class Watchdog:
         while not self._stop.wait(every):
             now = time.monotonic()
             place = main_thread_place(self._main)
-            if place["collective"] or self.phase == "save":
+            if place["collective"] or self.phase == "save" or place.get("io"):
                 if waiting_since is None or self.last != seen:  # (a wait began at most one look ago)
                     waiting_since = max(self.last, now - every)
-                elif self.phase == "save" and self._written_more(now):
-                    waiting_since = now  # (its own writes grew: a slow disk, not a hung peer)
+                elif (self.phase == "save" and self._written_more(now)) or (place.get("io") and self._read_more(now)):
+                    waiting_since = now  # (its own writes or reads grew: a slow disk, not a hung peer)
             else:
                 waiting_since = None
             seen = self.last
@@ -175,6 +176,21 @@ class Watchdog:
         except OSError:  # (the directory renamed into place or removed between two looks)
             return False
         grew, self._written = written != self._written, written
+        return grew
+
+    def _read_more(self, now: float) -> bool:
+        """Whether this process's bytes read (/proc/self/io rchar) grew since the last look by more than the looks'
+        own reads of that file (~100 B each), looked at every tenth of the timeout at most; True where they cannot
+        be read (another OS: a read is then not timed)."""
+        if now < self._read_next:
+            return False
+        self._read_next = now + self.timeout_s / 10
+        try:
+            with open("/proc/self/io") as f:
+                read = next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+        except (OSError, ValueError, StopIteration):
+            return True
+        grew, self._read = read - self._read > _OWN_READ_BYTES, read
         return grew
 
     def _beat(self, idle: float) -> None:
@@ -215,8 +231,12 @@ class Watchdog:
 # (an optimizer step over sharded parameters). Where the innermost torch.distributed frame is one of these, the rank
 # computes or does I/O (a slow disk reading a large checkpoint back is not a hung peer); a wait in a collective has a
 # communication module innermost (distributed_c10d, functional collectives, FSDP's collectives).
-_LOCAL_WORK = ("checkpoint/filesystem.py", "checkpoint/_fsspec_filesystem.py", "checkpoint/hf_storage.py",
-               "checkpoint/staging.py", "checkpoint/_state_dict_stager.py", "checkpoint/default_planner.py",
+# Storage reads and writes among them are timed as a save is: waiting, unless this process's bytes read grow (a
+# read that stalls on every rank, a shared file system gone during a rollback's load, is a hang no collective's
+# timeout ends).
+_LOCAL_IO = ("checkpoint/filesystem.py", "checkpoint/_fsspec_filesystem.py", "checkpoint/hf_storage.py")
+_OWN_READ_BYTES = 4096  # (what the watchdog's own reads of /proc/self/io add to rchar between two looks, at most)
+_LOCAL_WORK = (*_LOCAL_IO, "checkpoint/staging.py", "checkpoint/_state_dict_stager.py", "checkpoint/default_planner.py",
                "checkpoint/planner_helpers.py", "checkpoint/_dedup_save_plans.py", "checkpoint/_traverse.py",
                "tensor/_dispatch.py", "tensor/_sharding_prop.py", "tensor/_op_schema.py", "tensor/_ops/")
 
@@ -225,7 +245,7 @@ def main_thread_place(main_ident: int | None) -> dict:
     """Whether the main thread waits inside torch.distributed (and in what), and its innermost frame
     of our code (longctx's, or the program's: not a library's or Python's)."""
     frame = sys._current_frames().get(main_ident)
-    collective = where = None
+    collective = where = io = None
     decided = False  # (by the innermost torch.distributed frame: the ones around it called it)
     while frame is not None:
         path = frame.f_code.co_filename.replace(os.sep, "/")
@@ -234,18 +254,23 @@ def main_thread_place(main_ident: int | None) -> dict:
         if not decided and ("/torch/distributed/" in path or (
                 path.endswith("/longctx/job/comm.py") and frame.f_code.co_name == "wait")):
             decided = True
-            if not path.split("/torch/distributed/", 1)[-1].startswith(_LOCAL_WORK):
-                collective = f"{frame.f_code.co_name} ({path.rsplit('/', 1)[-1]})"
+            module = path.split("/torch/distributed/", 1)[-1]
+            label = f"{frame.f_code.co_name} ({path.rsplit('/', 1)[-1]})"
+            if not module.startswith(_LOCAL_WORK):
+                collective = label
+            elif module.startswith(_LOCAL_IO):
+                io = label
         if where is None and ("/longctx/" in path or not ("-packages/" in path or "/lib/python" in path
                                                           or "/torch/" in path or path.startswith("<"))):
             short = path.split("/longctx/", 1)[1] if "/longctx/" in path else path.rsplit("/", 1)[-1]
             where = f"{short}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
-    return {"collective": collective, "where": where}
+    return {"collective": collective, "where": where, **({"io": io} if io else {})}
 
 
 def describe(record: dict) -> str:
     place = (f"waiting in a collective, {record['collective']}" if record.get("collective")
+             else f"in a checkpoint's I/O, {record['io']}, reading nothing" if record.get("io")
              else "not in a collective")
     at = f" at {record['where']}" if record.get("where") else ""
     return f"step {record['step']}, {record['phase']}, {place}{at}"

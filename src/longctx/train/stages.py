@@ -92,11 +92,12 @@ def holdout_note(cfg: Config) -> str | None:
     kept, planned = resumed_holdout_grid(cfg), planned_holdout_grid(cfg)
     if not kept or kept >= planned:
         return None
+    longest = f"this run's longest stage of {planned:,}" if cfg.train.stages else f"train.seq_len {planned:,}"
     return (f"the stores hold out their eval text on the resumed checkpoint's grid of {kept:,} tokens (the longest "
-            f"sequence its run had planned), not on this run's longest stage of {planned:,}: every stage keeps the "
-            f"eval text the run held out from the start (another grid would rebuild the stores, the one the run "
-            f"continues in among them, with other samples), so eval samples of the longer stages are pieces of up "
-            f"to {kept:,} tokens packed. A new run from these weights (--model.init_from) holds out on its own grid.")
+            f"sequence its run had planned), not on {longest}: the run keeps the eval text it held out from the "
+            f"start (another grid would rebuild the stores, the one the run continues in among them, with other "
+            f"samples), so eval samples longer than {kept:,} tokens are such pieces packed. A new run from these "
+            f"weights (--model.init_from) holds out on its own grid.")
 
 
 def stage_config(cfg: Config, stage: Stage) -> Config:
