@@ -150,12 +150,12 @@ def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: 
                             host_bytes_per_rank: float, policy: MemoryPolicy | None = None,
                             expert: int = 1, host_bytes_taken: float = 0.0,
                             pinned: bool = False, autocast: bool = False,
-                            expert_replicas: int = 0) -> tuple[float, str]:
+                            expert_replicas: int = 0, expert_ranks_per_node: int = 0) -> tuple[float, str]:
     """(fraction, the reason in one line) from measured times and bandwidths. `policy`: the run's other
     [memory] settings (attention_offload, expert_chunk, block_chunk...; its recompute and fraction are
     replaced): they change what the rank keeps on the host, so they must be counted; `expert`: the
-    expert-parallel degree (the rows a rank's experts save) and `expert_replicas` its FlexMoE copy slots (their
-    weights, saved per stored call), as the host budget counts them;
+    expert-parallel degree, `expert_replicas` its FlexMoE copy slots and `expert_ranks_per_node` its hierarchical
+    dispatch, as the host budget counts them;
     `host_bytes_taken`: the rank's host bytes besides the offloaded activations (the model-state tier's
     states, checkpoint staging, the data loader: train/host_budget.py host_bytes_besides_offload), which
     the 0.8 x host_bytes_per_rank must hold too. `pinned` (a CUDA device): the offloaded parts are pinned,
@@ -166,7 +166,7 @@ def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: 
     1.5x what is offloaded, auto chose a smaller fraction than host memory allows)."""
     base = policy if policy is not None else MemoryPolicy()
     shape = dict(head=head, ctx=ctx, dtype_bytes=dtype_bytes, expert=expert, autocast=autocast,
-                 expert_replicas=expert_replicas)
+                 expert_replicas=expert_replicas, expert_ranks_per_node=expert_ranks_per_node)
 
     def at(a):  # the run's policy, offloading fraction a of the blocks' activations
         return dataclasses.replace(base, recompute="selective", offload_fraction=a, offload_skip_last=skip_last)

@@ -90,7 +90,8 @@ def run_shape(cfg: Config, dims) -> MeshShape:
                      zero_pp=",".join(names), node=node_size(cfg, dims) or 0, hpz_ranks=cfg.parallel.hpz_ranks,
                      data_parallel=cfg.train.data_parallel, local_steps=cfg.train.co2_local_steps,
                      quant_block=cfg.parallel.zero_pp_block,
-                     expert_replicas=cfg.parallel.expert_replicas if dims.expert > 1 else 0)
+                     expert_replicas=cfg.parallel.expert_replicas if dims.expert > 1 else 0,
+                     expert_ranks_per_node=cfg.parallel.expert_ranks_per_node if dims.expert > 1 else 0)
 
 
 def _stage_bytes(cfg: Config, dims, device_type: str, seq_len: int, global_batch: int, memory,

@@ -162,6 +162,7 @@ def _offload_for_shape(cfg: Config, device: torch.device, rt: Runtime, seq_len: 
         block_seconds=block_s, link_bytes_per_s=link_bytes_per_s,
         host_bytes_per_rank=host_bytes_per_rank, expert=d.expert,
         expert_replicas=cfg.parallel.expert_replicas if d.expert > 1 else 0,
+        expert_ranks_per_node=cfg.parallel.expert_ranks_per_node if d.expert > 1 else 0,
         # (the model-state tier's states, staging and the loader share the rank's host memory with the offload)
         host_bytes_taken=host_bytes_besides_offload(cfg, rt.dims, device.type, seq_len, global_batch),
         # (the run's other [memory] settings put bytes on the host too: attention_offload's core state)
