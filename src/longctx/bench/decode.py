@@ -211,15 +211,12 @@ def _read_prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
 
 
 def main(args) -> int:
-    from ..generate.drafters import draft_window
     from ..generate.drafts import draft_label, draft_notes, load_draft
     from ..generate.engine import generate
     from ..generate.loading import dropless_notes, load_model
     from ..generate.sampling import Sampling
     from ..generate.spec_length import draft_cost_ratio
     from ..job.devices import resolve_device, resolve_dtype
-    from ..models.clover import CloverDraft
-    from ..models.glide import GlideDraft
 
     if args.repeats < 1:  # (0 timed runs: no figure, only an empty minimum or an infinite time)
         raise ConfigError(f"--repeats {args.repeats}: time at least one run (e.g. --repeats 3).")
@@ -254,6 +251,16 @@ def main(args) -> int:
     if args.compiled is not None:  # the plain runs' step, its choice in the graph (generate/blocks.py), untimed
         generate(target, [first[:8]], max_new_tokens=2, sampling=sampling, compile=args.compiled)
     groups, everything = _run_lengths(args, target, draft, prompts, sampling, modes)
+    print(strict_json.dumps(_result(args, device, draft, modes, groups, everything), indent=1))
+    return 0
+
+
+def _result(args, device, draft, modes: list[tuple], groups: list, everything: list) -> dict:
+    """The JSON: the run's settings, the first mode's figures and each other mode's (the same plain runs)."""
+    from ..generate.drafters import draft_window
+    from ..models.clover import CloverDraft
+    from ..models.glide import GlideDraft
+
     result = {"benchmark": "decode", "date": date.today().isoformat(), "machine": platform.machine(),
               "torch": torch.__version__, "code": code_record(), "threads": torch.get_num_threads(),
               "device": _device_name(device), "dtype": args.dtype, "target": args.target, "draft": args.draft,
@@ -271,8 +278,7 @@ def main(args) -> int:
                        **({"draft_cost": args.cost, "verify_cost": args.verify_cost or 0.0} if adaptive else {}),
                        **_figures(everything[m]),
                        "by_length": groups[m]}
-    print(strict_json.dumps(result, indent=1))
-    return 0
+    return result
 
 
 def _modes(args) -> list[tuple]:
