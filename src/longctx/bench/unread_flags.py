@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-# per command: (the flags only one kind of run reads, when the run is not that kind, what to say); `run` is the
-# parsed flags
+# per command: (flags that only one kind of run reads, a test of the parsed flags true when the asked run is not
+# that kind, what to say)
 _RULES = {
     "generate": [
         (("preset", "device"), lambda a: a.compile == "false",
