@@ -9,7 +9,9 @@ u = 1 - C(4,2)/C(8,2) = 22/28 remote nodes on average, each node-rank receives T
   P = 56 pairs, S = 44 rows sent (28 x the 2 (1 - 6/28) nodes reached)."""
 
 import copy
+import sys
 from itertools import combinations
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,20 +104,11 @@ def test_saved_bytes_exceed_the_flat_exchanges_by_the_count(ranks):
         assert delta == pytest.approx(want, abs=0.5)
 
 
-CPU_HW = """[hardware]
-name = "cpu-test"
-memory_gib = 4.0
-peak_tflops = 0.1
-intra_gbps = 0.5
-inter_gbps = 0.05
-host_link_gbps = 5.0
-host_memory_gib = 0.0
-gemm_efficiency = 1.0
-attention_efficiency = 0.5
-comm_overlap = 0.0
-usable_host_fraction = 0.0
-dtype_bytes = 4
-"""
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+from test_plan_cli import CPU_HW as E2E_HW  # noqa: E402 (the e2e plans' CPU-sized "device")
+
+CPU_HW = E2E_HW.replace("inter_gbps = 0.5", "inter_gbps = 0.05")  # (a link between nodes a tenth of the one inside)
+assert CPU_HW != E2E_HW
 
 
 def test_a_hierarchical_plan_is_written_and_trains(tmp_path):
@@ -124,7 +117,6 @@ def test_a_hierarchical_plan_is_written_and_trains(tmp_path):
     import json
     import os
     import subprocess
-    import sys
 
     hw = tmp_path / "cpu.toml"
     hw.write_text(CPU_HW)

@@ -10,9 +10,9 @@ import json
 import time
 
 import pytest
+from test_watchdog import _run
 
 from longctx.job import watchdog
-from longctx.job.watchdog import Watchdog
 
 
 def _fake(path, source):
@@ -39,13 +39,11 @@ _LOADER = _fake("checkpoint/state_dict_loader.py", "def load(inner, seconds, sle
 
 
 def _watched(tmp_path, phase, body):
-    w = Watchdog(0.5, rank=0, folder=tmp_path, exit_process=False).start()
-    try:
+    """test_watchdog._run (rank 0, timeout 0.5 s) with the rank in `phase` of step 3."""
+    def in_phase():
         watchdog.phase(3, phase)
         body()
-    finally:
-        w.stop()
-    return w
+    return _run(tmp_path, 0, in_phase)
 
 
 @pytest.mark.parametrize("case", ["a slow checkpoint read", "a long step over sharded parameters"])

@@ -167,7 +167,7 @@ def _refuse_another_seed(diffs: list, cfg: Config, run_dir: Path) -> None:
     change = next((d for d in diffs if d[:2] == ("train", "seed")), None)
     if change is None or cfg.checkpoint.resume == "none":
         return
-    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    root = checkpoint_root(cfg, run_dir)
     if cfg.checkpoint.resume == "auto" and latest_checkpoint(root) is None:
         return  # (nothing to resume: the run starts afresh under the new seed)
     raise ConfigError(f"this resume of {run_dir} would change train.seed {change[2]} -> {change[3]}: its checkpoint's "
@@ -212,14 +212,21 @@ def _spelled(seq_len: int, steps: int, batch: int) -> str:
     return f"{seq_len}:{steps}" + (f":{batch}" if batch else "")
 
 
-def _resumed_step(cfg: Config, run_dir: Path) -> int:
-    """The step of the checkpoint this resume loads (0: none found here; the run's own checks say why)."""
-    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
+    """Where a run's checkpoints are: checkpoint.dir, else its run directory's checkpoints/."""
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
+
+
+def resumed_manifest(cfg: Config, run_dir: Path) -> dict:
+    """The manifest of the checkpoint this run's checkpoint.resume loads ({}: it starts afresh, or none is found:
+    preflight and the load say why, in their words)."""
+    if cfg.checkpoint.resume == "none":
+        return {}
     try:
-        target = resolve_checkpoint(cfg.checkpoint.resume, root)
-    except UserError:  # (no checkpoint there: preflight and the load say so in their words)
-        return 0
-    return int(manifest_or_empty(target).get("step") or 0) if target is not None else 0
+        target = resolve_checkpoint(cfg.checkpoint.resume, checkpoint_root(cfg, run_dir))
+    except UserError:
+        return {}
+    return manifest_or_empty(target) if target is not None else {}
 
 
 def _refuse_replanned_stages(saved_train: dict, cfg: Config, run_dir: Path) -> None:
@@ -234,7 +241,7 @@ def _refuse_replanned_stages(saved_train: dict, cfg: Config, run_dir: Path) -> N
     if not staged or cfg.checkpoint.allow_changes or cfg.checkpoint.resume == "none":
         return
     old, new = _stage_plan(saved_train), _stage_plan(to_dict(cfg)["train"])
-    if old == new or not (step := _resumed_step(cfg, run_dir)):
+    if old == new or not (step := int(resumed_manifest(cfg, run_dir).get("step") or 0)):
         return
     for i, (seq_len, first, last, batch) in enumerate(old):
         if first > step:

@@ -76,15 +76,21 @@ def flat_combine_slot_bytes(m: ModelConfig, c: int) -> float:
     return c * m.dim + 8 + c + capacity
 
 
+def expected_pairs_and_sent(m: ModelConfig, tokens: float, expert: int, ranks_per_node: int,
+                            skew: float = 1.0) -> tuple[float, float]:
+    """(P, S) of a call of `tokens` tokens under the planner's routing: the (row, choice) pairs a node-rank of the
+    most loaded rank's node receives at `skew`, and the rows a rank sends across nodes, its own node's included."""
+    pairs = tokens * m.moe_top_k * node_share(expert, ranks_per_node, skew)
+    return pairs, tokens * nodes_reached(m.moe_experts, m.moe_top_k, expert // ranks_per_node)
+
+
 def hier_call_bytes(m: ModelConfig, c: int, tokens: float, expert: int, ranks_per_node: int, skew: float = 1.0,
                     pairs: float | None = None, sent: float | None = None) -> float:
     """Bytes a stored MoE call of `tokens` tokens keeps under hierarchical dispatch beyond the flat exchange's count
     (the module docstring), on the most loaded rank's node at `skew`; `pairs` / `sent`: P and S as a run measured
-    them (None: their expectation under the planner's routing)."""
-    nodes = expert // ranks_per_node
-    if pairs is None:
-        pairs = tokens * m.moe_top_k * node_share(expert, ranks_per_node, skew)
-    if sent is None:
-        sent = tokens * nodes_reached(m.moe_experts, m.moe_top_k, nodes)
+    them (None: their expectation, expected_pairs_and_sent)."""
+    expected_pairs, expected_sent = expected_pairs_and_sent(m, tokens, expert, ranks_per_node, skew)
+    pairs = expected_pairs if pairs is None else pairs
+    sent = expected_sent if sent is None else sent
     return (pairs * hier_pair_row_bytes(m, c) + sent * hier_sent_row_bytes(m)
             - tokens * m.moe_top_k * flat_combine_slot_bytes(m, c))

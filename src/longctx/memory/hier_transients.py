@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from .accounting import compute_bytes
-from .hier_counts import hier_call_bytes, hierarchical, node_share, nodes_reached
+from .hier_counts import expected_pairs_and_sent, hier_call_bytes, hierarchical, node_share
 from .policy import MemoryPolicy
 from .transients import ffn_backward_bytes, piece_tokens
 
@@ -45,10 +45,8 @@ def hier_stage_bytes(m: ModelConfig, tokens: float, expert: int, ranks_per_node:
     of `tokens` tokens holds beyond the call's saved tensors (the module docstring), on a node-rank of the most
     loaded rank's node at `skew`."""
     d, k = m.dim, m.moe_top_k
-    share = node_share(expert, ranks_per_node, skew)
-    pairs = tokens * k * share
-    sent = tokens * nodes_reached(m.moe_experts, k, expert // ranks_per_node)
-    received = sent * share
+    pairs, sent = expected_pairs_and_sent(m, tokens, expert, ranks_per_node, skew)
+    received = sent * node_share(expert, ranks_per_node, skew)
     return {
         "forward_combine": max(2 * pairs + received, pairs + received + sent + tokens) * d * e,
         "backward_combine": max((sent + received) * d * e, (received + pairs) * d * e, 3 * pairs * d * e + pairs * e),

@@ -385,9 +385,10 @@ def timed(m: ModelConfig, hw: Hardware, fp: Footprint, *, seq_len: int, global_b
         rows = {k: v for k, v in rows.items() if k != "expert_copies"}
         exposed["expert_copies"] = copy_seconds(copies / grad_accum, shape, hw, gpus_per_node)
         skew = copy_relief(m.moe_experts, shape.expert, shape.expert_replicas, skew).skew
-    exposed["expert"] = exposed_expert_seconds(m, shape, rows, grad_accum, tokens, skew, hw, gpus_per_node)
     if hierarchical(shape.expert, shape.expert_ranks_per_node):  # its two levels, each over its own link
         exposed["expert"] = exposed_hier_seconds(m, shape, comm, grad_accum, tokens, skew, hw, gpus_per_node)
+    else:
+        exposed["expert"] = exposed_expert_seconds(m, shape, rows, grad_accum, tokens, skew, hw, gpus_per_node)
     block_fwd = predicted_block_forward_seconds(flops, m, hw)
     fsdp_step = exposed_fsdp_seconds(m, shape, policy, grad_accum, e, block_fwd, acts.recompute_flops, hw,
                                      gpus_per_node)

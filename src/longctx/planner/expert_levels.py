@@ -83,13 +83,13 @@ def peer_shares(world: int, stride: int, size: int, node: int, group: int = 0) -
     if size == 1:
         return Fraction(0), Fraction(0), Fraction(0)
     period, block = _period(world, stride * size, node, group or 1), stride * size
-    shares = [Fraction(0)] * 3
+    peers = [0, 0, 0]  # (counted as integers, each worth 1 / (size - 1) of its rank's bytes)
     for r in range(period):
         base = r - r % block + r % stride
         for a in range(size):
             if base + a * stride != r:
-                shares[_level(r, base + a * stride, node, group)] += Fraction(1, size - 1)
-    return tuple(s * (world // period) for s in shares)
+                peers[_level(r, base + a * stride, node, group)] += 1
+    return tuple(Fraction(n * (world // period), size - 1) for n in peers)
 
 
 def ring_hops(world: int, stride: int, size: int, node: int, group: int = 0) -> tuple[int, ...]:

@@ -25,6 +25,7 @@ from ..config.data_mix import is_mix
 from ..config.draft_rules import clover_ranks_problem
 from ..config.hf import hf_dir
 from ..config.hf_export import ROPE_SCALING_READS
+from ..config.resume import checkpoint_root
 from ..config.rules import parse_synthetic
 from ..costs.peaks import machine_cpu_peak, precision_name
 from ..data.default_store import default_store
@@ -42,7 +43,6 @@ from .setup import (
     check_run_dir,
     check_store,
     check_tokenizer_known,
-    checkpoint_root,
     resume_target,
 )
 from .stages import holdout_grid, stage_config, stages_of

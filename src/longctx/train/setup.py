@@ -19,7 +19,7 @@ from ..checkpoint.manager import CheckpointManager, resolve_checkpoint
 from ..checkpoint.verify_command import layout_text
 from ..config import Config, to_dict, to_toml
 from ..config.data_mix import first_store, is_mix, parse_weights, store_paths
-from ..config.resume import manifest_run_dir
+from ..config.resume import checkpoint_root, manifest_run_dir
 from ..config.rules import parse_synthetic
 from ..config.tokenizer import stored_identity, tokenizer_identity, unknown_tokenizer
 from ..data.default_store import default_store
@@ -47,10 +47,6 @@ def check_packages(cfg: Config) -> None:
                           "--metrics.plots false (`longctx report RUN_DIR` draws them later).")
 
 RUN_FILES = ("config.toml", "metrics.jsonl")  # what makes a directory hold a run
-
-
-def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
 
 
 def resume_target(cfg: Config, run_dir: Path) -> Path | None:

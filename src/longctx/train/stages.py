@@ -26,11 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config
-from ..config.checkpoint_paths import manifest_or_empty, resolve_checkpoint
 from ..config.positions import run_start_positions
+from ..config.resume import resumed_manifest
 from ..config.rules import parse_stages
 from ..data.loader import BatchLoader, cost_coefficients
-from ..errors import UserError
 from ..models.moe_capacity import routes_across_tokens
 
 
@@ -77,14 +76,10 @@ def resumed_holdout_grid(cfg: Config) -> int:
     """The holdout_tokens of the checkpoint this run resumes (the grid its run's stores hold out on); 0 when
     it starts afresh, reads data.path (no grid) or resumes a checkpoint without the record (or none readable:
     its verification refuses it later, in its own words)."""
-    resume, ck_dir, run_dir = cfg.checkpoint.resume, cfg.checkpoint.dir, cfg.train.run_dir
-    if cfg.data.path or resume == "none" or (resume == "auto" and not (ck_dir or run_dir)):
+    # (no train.run_dir: a new runs/<time>-<preset>/, nothing there to resume)
+    if cfg.data.path or (cfg.checkpoint.resume == "auto" and not (cfg.checkpoint.dir or cfg.train.run_dir)):
         return 0
-    try:
-        target = resolve_checkpoint(resume, Path(ck_dir) if ck_dir else Path(run_dir) / "checkpoints")
-    except UserError:
-        return 0
-    return int(manifest_or_empty(target).get("holdout_tokens") or 0) if target is not None else 0
+    return int(resumed_manifest(cfg, Path(cfg.train.run_dir)).get("holdout_tokens") or 0)
 
 
 def holdout_note(cfg: Config) -> str | None:
