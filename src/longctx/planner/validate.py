@@ -17,14 +17,17 @@ step/optimizer.py make_optimizer's AdamW) on a random global batch with document
 - activation bytes per rank as `longctx.bench.memory` measures them, vs the planner's activation
   estimate (within 5%), and the host bytes of offloaded activations likewise; under expert parallelism
   (FlexMoE's copy slots filled) those of the rank that received the most rows, against the estimate at the skew
-  it measured (planner/validate_experts.py), the plan's at its --expert-skew reported beside;
+  it measured (planner/validate_experts.py), the plan's at its --expert-skew reported beside; under hierarchical
+  dispatch (parallel.expert_ranks_per_node) at the rows it measured on each level, and every rank's bytes on the
+  two levels against the planner's forms at its rows (planner/validate_hier.py; `expert_levels_equal_all_ranks`);
 - the median step time, vs the planner's predicted step time for this machine (calibrated with
   `hardware.calibrate`), compared as rankings and ratios between mesh shapes.
 
 `longctx plan --validate` runs the default cases and prints JSON; benchmarks/planner_validate.py
 runs it with options and writes the docs table. The exit status is 1 when a case fails any of the
 byte checks above (each case's row says which: comm_equal_all_ranks, fsdp_equal_all_ranks,
-model_states_equal, activations_within_5pct, host_within_5pct).
+model_states_equal, activations_within_5pct, host_within_5pct, and in a hierarchical case
+expert_levels_equal_all_ranks).
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ from ..job.devices import machine_record
 from ..job.runtime import Runtime
 from ..job.spawn import run_spawned
 from ..job.traffic import library_traffic
+from ..memory.accounting import compute_bytes
+from ..memory.hier_counts import hierarchical
 from ..memory.measured import measure_activations
 from ..memory.policy import MemoryPolicy
 from ..models.llama import build_model
@@ -60,6 +65,7 @@ from ..step.optimizer import make_optimizer
 from .cost import estimate
 from .documents import doc_work_of_ids
 from .validate_experts import install_expert_parallel, received_skews
+from .validate_hier import LEVEL_DIMS, hier_saved_at, level_bytes_at, measured_rows
 
 SEED = 0
 COUNTED = ("head", "ctx", "dp_shard", "dp_replicate")  # the comm counters' dims compared
@@ -86,6 +92,11 @@ class Case:
         if self.global_batch % (self.mesh_shape.dp * self.grad_accum):
             raise ValueError(f"case {self.name}: global batch {self.global_batch} does not split into grad_accum "
                              f"{self.grad_accum} x dp {self.mesh_shape.dp}")
+        shape = self.mesh_shape
+        if hierarchical(shape.expert, shape.expert_ranks_per_node) and self.policy.recompute != "none":
+            # (planner/validate_hier.py puts the measured P and S in place of one stored call per MoE layer)
+            raise ValueError(f"case {self.name}: a hierarchical expert dispatch case is compared at its measured rows "
+                             f"for stored MoE calls only; give it memory.recompute none, not {self.policy.recompute}")
 
     @property
     def world(self) -> int:
@@ -113,6 +124,10 @@ RANKING_CASES = [
     Case("head4 full", "debug", 4096, _mesh(head=4), MemoryPolicy("full"), global_batch=4),
 ]
 
+# hierarchical dispatch: an expert group of 4 as 2 nodes of 2 (compared at the rows each level measured)
+HIER_CASE = Case("debug-moe dp4 ep4 hier2", "debug-moe", 256, _mesh(dp_shard=4, expert=4, expert_ranks_per_node=2),
+                 MemoryPolicy("none"), expert_skew=2.0)
+
 # Bytes and activations: debug and ~100M models under mesh shapes x policies (short, exact checks).
 BYTES_CASES = [
     Case("debug single", "debug", 2048, _mesh()),
@@ -130,6 +145,7 @@ BYTES_CASES = [
     # a plan with FlexMoE copies (planned at skew 2; compared at the skew its hottest rank measured)
     Case("debug-moe ctx2 ep2 copies1", "debug-moe", 1024, _mesh(ctx=2, expert=2, expert_replicas=1),
          MemoryPolicy("none"), expert_skew=2.0),
+    HIER_CASE,
 ]
 
 
@@ -140,7 +156,7 @@ def case_config(case: Case):
         "parallel": {"dp_replicate": shape.dp_replicate, "dp_shard": shape.dp_shard, "head": shape.head,
                      "ctx": shape.ctx, "window": shape.window if shape.window and shape.window < shape.ctx else 0,
                      "placement": shape.placement, "expert": shape.expert,
-                     "expert_replicas": shape.expert_replicas},
+                     "expert_replicas": shape.expert_replicas, "expert_ranks_per_node": shape.expert_ranks_per_node},
         "memory": case.policy.to_config(),
         "train": {"seq_len": case.seq_len, "global_batch": case.global_batch, "grad_accum": case.grad_accum,
                   "device": "cpu", "dtype": "fp32", "seed": SEED, "eval_interval": 0},
@@ -247,9 +263,11 @@ def _worker(raw_cfg: dict, steps: int, warmup: int):
     counts = install_expert_parallel(bare, cfg, rt)  # (at expert 1: nothing)
     apply_memory(bare, cfg.memory, "cpu")
     local = micro_batches(cfg, rt, batch)[0]
+    comm.reset_counters()  # (the step's were read above): the hierarchy's levels in this forward and backward
     got = measure_activations(bare, local.tokens, local.positions, local.doc_ids, labels=local.labels)
     out["activations"] = {"device": got["total_device"], "host": got["total_host"]}
     out["expert_counts"] = counts
+    out["expert_levels"] = {d: v for d, v in comm.counters().items() if d in LEVEL_DIMS}
     return out
 
 
@@ -260,6 +278,7 @@ def run_case(case: Case, hw, steps: int = 3, warmup: int = 1) -> dict:
     expert_rows = _expert_rows(case, cfg, per_rank, hw)
     if expert_rows:  # the most loaded rank against the prediction at its measured skew
         est = expert_rows.pop("estimate")
+    acts_predicted = expert_rows.pop("activations_predicted", est.memory["activations"])
     measured = per_rank[0]["counters"]
     all_equal = all(r["counters"] == predicted for r in per_rank)
     fsdp_predicted = est.comm_bytes.get("fsdp", {}).get("fsdp", 0.0)
@@ -276,7 +295,7 @@ def run_case(case: Case, hw, steps: int = 3, warmup: int = 1) -> dict:
         "model_states_measured": [r["model_states"] for r in per_rank],
         "step_s_measured": max(step_times), "step_s_predicted": est.step_s,
         "predicted_times": est.times,
-        "activations_predicted": est.memory["activations"],
+        "activations_predicted": acts_predicted,
         "host_predicted": est.host["activations"] + est.host["attention_offload"],
     }
     row["activations_measured"] = [r["activations"]["device"] for r in per_rank]
@@ -284,7 +303,7 @@ def run_case(case: Case, hw, steps: int = 3, warmup: int = 1) -> dict:
         row.update(expert_rows, activations_measured_all_ranks=row["activations_measured"])
         row["activations_measured"] = [row["activations_measured"][expert_rows["expert_hottest_rank"]]]
     row["host_measured"] = [r["activations"]["host"] for r in per_rank]
-    row["activations_max_rel_error"] = max(abs(a - est.memory["activations"]) / est.memory["activations"]
+    row["activations_max_rel_error"] = max(abs(a - acts_predicted) / acts_predicted
                                            for a in row["activations_measured"])
     # the verdicts the exit status reads (it read the bytes only: activations 20% off exited 0)
     row["model_states_equal"] = math.isclose(max(row["model_states_measured"]), row["model_states_predicted"],
@@ -331,6 +350,8 @@ def _expert_rows(case: Case, cfg, per_rank: list[dict], hw) -> dict:
     shape = case.mesh_shape
     if shape.expert <= 1:
         return {}
+    if hierarchical(shape.expert, shape.expert_ranks_per_node):
+        return _hier_rows(case, cfg, per_rank, hw)
     skews = received_skews([r["expert_counts"] for r in per_rank[:shape.expert]], cfg.model.moe_experts,
                            shape.expert, shape.expert_replicas)
     hottest = max(range(len(skews)), key=skews.__getitem__)
@@ -338,6 +359,32 @@ def _expert_rows(case: Case, cfg, per_rank: list[dict], hw) -> dict:
     return {"expert_skew_measured": skews, "expert_hottest_rank": hottest, "expert_skew_planned": case.expert_skew,
             "activations_predicted_at_planned_skew": planned.memory["activations"],
             "estimate": _predict(case, hw, cfg, expert_skew=max(skews))[0]}
+
+
+def _hier_rows(case: Case, cfg, per_rank: list[dict], hw) -> dict:
+    """_expert_rows under hierarchical dispatch (planner/validate_hier.py): the rows each rank of the first expert
+    group measured on each level; the rank whose experts received the most rows, its activations predicted at its
+    receive skew with its own P and S (and at the expectation, beside); every rank's bytes on the two levels
+    against the planner's forms at its rows."""
+    shape, m = case.mesh_shape, cfg.model
+    group = per_rank[:shape.expert]
+    figs = measured_rows([r["expert_counts"] for r in group], shape.expert_ranks_per_node, m.moe_top_k)
+    hottest = max(range(len(figs)), key=lambda q: figs[q]["receive_skew"])
+    skew = figs[hottest]["receive_skew"]
+    est = _predict(case, hw, cfg, expert_skew=skew)[0]
+    c = compute_bytes(hw.dtype_bytes, False)  # (fp32 on the CPU: no autocast)
+    at_rows, at_expectation = hier_saved_at(m, c, figs[hottest], shape.expert, shape.expert_ranks_per_node, skew)
+    levels_predicted = [level_bytes_at(m, f, shape.expert, shape.expert_ranks_per_node, hw.dtype_bytes) for f in figs]
+    levels_measured = [r["expert_levels"] for r in group]
+    planned, _ = _predict(case, hw, cfg)
+    return {"expert_hier_rows": figs, "expert_skew_measured": [f["receive_skew"] for f in figs],
+            "expert_hottest_rank": hottest, "expert_skew_planned": case.expert_skew,
+            "activations_predicted_at_planned_skew": planned.memory["activations"],
+            # the count at the measured skew with P and S at their expectation (the planner's figure there)
+            "activations_predicted_at_expected_rows": est.memory["activations"],
+            "activations_predicted": est.memory["activations"] - at_expectation + at_rows,
+            "expert_levels_predicted": levels_predicted, "expert_levels_measured": levels_measured,
+            "expert_levels_equal_all_ranks": levels_measured == levels_predicted, "estimate": est}
 
 
 def run_ranking(cases: list[Case], hw, rounds: int = 5) -> list[dict]:
@@ -393,7 +440,8 @@ def main(args=None, cases=None, ranking_cases=None, steps: int = 3, world_for_ca
     if out["ranking"]:
         out["ranking_agreement"] = ranking_agreement(out["ranking"])
     print(strict_json.dumps(out, indent=2))
-    checks = ("fsdp_equal_all_ranks", "model_states_equal", "activations_within_5pct", "host_within_5pct")
+    checks = ("fsdp_equal_all_ranks", "model_states_equal", "activations_within_5pct", "host_within_5pct",
+              "expert_levels_equal_all_ranks")
     ok = all(r["comm_equal_all_ranks"] for r in out["bytes"] + out["ranking"]) and \
-        all(r[check] for r in out["bytes"] for check in checks)
+        all(r.get(check, True) for r in out["bytes"] for check in checks)
     return 0 if ok else 1

@@ -6,13 +6,17 @@ the rows each rank receives are read from the calls' counts.
 A prediction is for the most loaded rank at a receive skew (the plan's --expert-skew); routing in a measured
 step has its own skew, which no setting chooses. So the case's activations are compared on the rank that
 received the most rows against the prediction at the skew it measured (`received_skews`), and the plan's figure
-at the planned skew is reported beside it (an upper bound of the run's while its routing stays within it)."""
+at the planned skew is reported beside it (an upper bound of the run's while its routing stays within it).
+Under hierarchical dispatch (parallel.expert_ranks_per_node) the experts' counts are the node's pairs, not the
+group's routing: the rows of each level are recorded instead (planner/validate_hier.py)."""
 
 from __future__ import annotations
 
+from ..memory.hier_counts import hierarchical
 from ..models.moe import moe_layers
 from ..parallel.expert.install import use_expert_parallel
 from ..parallel.expert.placement import Placement
+from .validate_hier import record_routes
 
 
 def every_slot_filled(experts: int, ep: int, replicas: int) -> Placement:
@@ -33,10 +37,14 @@ def every_slot_filled(experts: int, ep: int, replicas: int) -> Placement:
 def install_expert_parallel(bare, cfg, rt) -> dict[int, list[int]]:
     """Expert parallelism on the bare model of a case with parallel.expert > 1 (before its memory policy is
     applied), its copy slots filled; returns the dict each MoE layer's first call records its rows per expert
-    into ({} and nothing installed at expert 1)."""
+    into ({} and nothing installed at expert 1); under hierarchical dispatch, its rows per level instead
+    (validate_hier.record_routes)."""
     if rt.dims.expert <= 1:
         return {}
-    use_expert_parallel(bare, rt.dims.build_expert_mesh("cpu"))
+    ranks_per_node = cfg.parallel.expert_ranks_per_node
+    dispatcher = use_expert_parallel(bare, rt.dims.build_expert_mesh("cpu"), ranks_per_node=ranks_per_node)
+    if hierarchical(rt.dims.expert, ranks_per_node):
+        return record_routes(moe_layers(bare), dispatcher)
     replicas = cfg.parallel.expert_replicas
     placement = every_slot_filled(cfg.model.moe_experts, rt.dims.expert, replicas) if replicas else None
     first: dict[int, list[int]] = {}
