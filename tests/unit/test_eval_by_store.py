@@ -99,10 +99,16 @@ def test_each_stores_loss_is_the_models_loss_over_its_sequences_alone(trained):
         assert loss == pytest.approx(reference[name], rel=1e-5), name
 
 
+def _untagged(record: dict) -> dict:
+    """The record without the run's id and attempt (train/run_identity.py: in every record, checked there)."""
+    assert {"run_id", "run_attempt"} <= record.keys()
+    return {k: v for k, v in record.items() if k not in ("run_id", "run_attempt")}
+
+
 def test_the_eval_record_and_line_give_each_stores_loss(trained):
     trainer, result, said = trained
     records = [json.loads(line) for line in trainer.metrics.path.read_text().splitlines()]
-    evals = [r for r in records if r["kind"] == "eval"]
+    evals = [_untagged(r) for r in records if r["kind"] == "eval"]
     assert evals == [{"kind": "eval", "step": 4, "loss": result.eval_losses[4], "by_store": result.eval_by_store[4]}]
     by_store = result.eval_by_store[4]
     line = f"step     4 | eval loss {result.eval_losses[4]:.4f} (books {by_store['books']:.4f}, " \
@@ -125,7 +131,7 @@ def test_one_store_writes_the_eval_record_and_line_as_before(stores, tmp_path):
                        log=lambda *a, **k: said.append(" ".join(map(str, a))))
     result = trainer.run()
     assert result.eval_by_store == {} and trainer.last_eval.by_store is None
-    evals = [json.loads(x) for x in trainer.metrics.path.read_text().splitlines() if '"eval"' in x]
+    evals = [_untagged(json.loads(x)) for x in trainer.metrics.path.read_text().splitlines() if '"eval"' in x]
     assert evals == [{"kind": "eval", "step": 2, "loss": result.eval_losses[2]}]
     assert f"step     2 | eval loss {result.eval_losses[2]:.4f}" in said
 

@@ -8,7 +8,7 @@
   config.before-stepN.toml) was not shaded at all;
 - a metrics.file a second run appended to (or an older longctx's resume, which left the abandoned attempt's
   records in place) was plotted as a mix: each step's newest record, the second run's first steps joined to the
-  first run's later ones;
+  first run's later ones (two runs are now told apart by their records' run_id: each its own curve);
 - a mistyped directory, or the directory above the runs, was reported as a missing metrics.jsonl in it.
 """
 
@@ -97,9 +97,12 @@ def test_a_metrics_file_a_second_run_appended_to_plots_that_run_and_says_so(tmp_
            f"--metrics.file={shared}")
     said = []
     write_plots(tmp_path / "b", say=said.append)
-    (line,) = [line for label, line in _lines(figures["throughput.png"]).items()]
-    assert list(line.get_xdata()) == [1, 2, 3]  # (was 1-6: this run's 1-3, then the first run's 4-6)
-    assert any("start again at step 1 after step 6" in s for s in said), said
+    # each run its own curve, labelled by its run_id (leftovers110: before the records named no run, and the second
+    # run's read as a restart at step 1; earlier still, 1-6 plotted as one: this run's 1-3, the first run's 4-6)
+    a, b = dict.fromkeys(json.loads(line)["run_id"] for line in shared.read_text().splitlines())
+    lines = _lines(figures["throughput.png"])
+    assert list(lines[f"run {b}"].get_xdata()) == [1, 2, 3] and list(lines[f"run {a}"].get_xdata()) == [*range(1, 7)]
+    assert any(f"holds the records of 2 runs (run_id {a}, {b}): the plots are run {b}'s" in s for s in said), said
 
 
 def test_an_older_resume_that_left_the_abandoned_records_plots_the_resumed_attempt(tmp_path, figures):

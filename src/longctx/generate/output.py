@@ -352,8 +352,10 @@ class Output:
             else:
                 raise
             said = "stdout" if self.file is sys.stdout or not self.path else f"--output {self.path}"
+            # (an --output that is a pipe itself, /dev/stdout or a named pipe: the cure is a regular file, not --output)
+            which = "" if said == "stdout" else " (a regular file, not a pipe)"
             raise ReaderGone(f"{said} was closed by its reader (a pipe to `head`, say) with {self.lines} line(s) "
-                             f"written: generation stopped. Pass --output FILE to keep every line.") from None
+                             f"written: generation stopped. Pass --output FILE{which} to keep every line.") from None
 
     def close(self, complete: bool = True) -> None:
         """Close the output; an --output file is published under its name only when `complete` (every line

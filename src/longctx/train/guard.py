@@ -86,11 +86,17 @@ def stopped_run_error(what: str, step: int, lr: float) -> TrainingError:
         f"goes on without it, rollback goes back to the last checkpoint and skips the data since.")
 
 
-def skip_limit_error(in_a_row: int, limit: int, step: int, loss: float, grad_norm: float) -> TrainingError:
+def skip_limit_error(in_a_row: int, limit: int, step: int, loss: float, grad_norm: float,
+                     first: int | None = None) -> TrainingError:
     """The error that ends a run under train.on_nonfinite = skip once train.skip_limit steps in a row were skipped:
     a run that no longer trains (a learning rate that diverged, broken data) would otherwise go on to train.steps
-    and save its untrained weights as if it had trained (DeepSpeed's loss scaler and Megatron's NaN check raise too)."""
-    steps = f"step {step} was" if in_a_row == 1 else f"steps {step - in_a_row + 1}-{step} ({in_a_row} in a row) were"
+    and save its untrained weights as if it had trained (DeepSpeed's loss scaler and Megatron's NaN check raise too).
+    `first`: the streak's first step as recorded (None: a checkpoint saved before it was, `step - in_a_row + 1`). The
+    streak's steps need not be consecutive: a resume from a checkpoint an earlier attempt rolled back to goes on after
+    that rollback's window, whose steps it never runs."""
+    first = step - in_a_row + 1 if first is None else first
+    between = "" if step - first + 1 == in_a_row else ", the steps between not run: a rollback skipped their data"
+    steps = f"step {step} was" if in_a_row == 1 else f"steps {first}-{step} ({in_a_row} in a row{between}) were"
     return TrainingError(
         f"{steps} bad and not applied (the last, step {step}: loss {loss:.4g}, gradient norm {grad_norm:.4g}), and "
         f"train.skip_limit is {limit}: the run stops (train.on_nonfinite = skip). Losses are read every "

@@ -55,8 +55,10 @@ class MetricsWriter:
     attempt wrote at that step or later (SummaryWriter's purge_step), as continue_run_files moves their records
     out of the JSONL file: both read as one run, each step once."""
 
-    def __init__(self, path: Path, tensorboard_dir: Path | None = None, first_step: int = 1):
+    def __init__(self, path: Path, tensorboard_dir: Path | None = None, first_step: int = 1,
+                 tags: dict | None = None):
         self.path = Path(path)
+        self.tags = tags or {}  # fields every record carries (the run's id and attempt: run_identity.py)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a")
         self._tb = None
@@ -66,6 +68,7 @@ class MetricsWriter:
             self._tb = SummaryWriter(str(tensorboard_dir), purge_step=first_step if first_step > 1 else None)
 
     def write(self, record: dict) -> None:
+        record = {**record, **self.tags}
         try:
             self._file.write(strict_json.dumps(record) + "\n")
             self._file.flush()
@@ -80,7 +83,7 @@ class MetricsWriter:
                                 f"{strict_json.dumps(record)}") from e
         if self._tb is not None:
             for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step":
+                if isinstance(v, (int, float)) and k not in ("step", *self.tags):
                     self._tb.add_scalar(f"{record.get('kind', 'train')}/{k}", v, record["step"])
 
     def close(self) -> None:
@@ -209,13 +212,13 @@ class MetricsLogger:
     def describe_peak(self) -> str:
         return f"MFU against {self.peak_source}" + (f" ({self.peak / 1e12:.3f} TFLOP/s per rank)" if self.peak else "")
 
-    def open(self, first_step: int = 1) -> None:
+    def open(self, first_step: int = 1, tags: dict | None = None) -> None:
         """The loop starts at `first_step` (past 1 after a resume): the first line's interval starts here, not
         when the logger was made (what the Trainer set up after that, its data among it, is not the first
-        step's time or bytes)."""
+        step's time or bytes). `tags`: fields every record carries (MetricsWriter)."""
         self.interval = self._new_interval()
         if self.rt.is_main:
-            self.writer = MetricsWriter(self.path, self.tensorboard_dir, first_step)
+            self.writer = MetricsWriter(self.path, self.tensorboard_dir, first_step, tags)
 
     def close(self) -> None:
         if self.writer is not None:

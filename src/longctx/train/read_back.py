@@ -28,6 +28,7 @@ def read_back(trainer, unread: list, result) -> tuple[float, float]:
     t = trainer.cfg.train
     for (step, *_, position), (loss, grad_norm, spike) in zip(entries, values):
         result.losses.append(loss)
+        result.grad_norms.append(grad_norm)
         what = bad_step_reason(loss, grad_norm, spike, t.spike_factor, t.spike_window)
         if what is None:
             trainer.skipped_in_a_row = 0
@@ -37,6 +38,8 @@ def read_back(trainer, unread: list, result) -> tuple[float, float]:
         if t.on_nonfinite == "rollback":
             raise BadStep(step, what, position)  # the steps read after it are run again
         trainer.skipped_steps += 1
+        if not trainer.skipped_in_a_row:  # (recorded, not computed back from the count: see skip_limit_error)
+            trainer.first_skipped_in_a_row = step
         trainer.skipped_in_a_row += 1
         trainer.skipped_at.add(len(result.losses) - 1)
         trainer.log(f"step {step}: {what}: not applied (train.on_nonfinite = skip; {trainer.skipped_steps} skipped "
@@ -44,7 +47,8 @@ def read_back(trainer, unread: list, result) -> tuple[float, float]:
         # train.skip_limit: a read precedes every save, so the run stops before any checkpoint holds this step;
         # the steps after it in this read are neither recorded nor saved (every rank reads the same figures)
         if t.skip_limit and trainer.skipped_in_a_row >= t.skip_limit:
-            raise skip_limit_error(trainer.skipped_in_a_row, t.skip_limit, step, loss, grad_norm)
+            raise skip_limit_error(trainer.skipped_in_a_row, t.skip_limit, step, loss, grad_norm,
+                                   trainer.first_skipped_in_a_row)
     return values[-1][0], values[-1][1]
 
 
@@ -63,6 +67,7 @@ def roll_back_trainer(trainer, bad: BadStep, result) -> int:
     restore_step_state(trainer)  # the checkpoint's spike window (no blind steps) and placements
     trainer.hooks.rolled_back()
     del result.losses[bad.step - result.first_step + 1:]  # the steps after it run again
+    del result.grad_norms[len(result.losses):]
     trainer.skipped_at = {i for i in trainer.skipped_at if i < len(result.losses)}  # (indices of steps kept)
     trainer.rollbacks += 1
     # a bad last step: nothing trains after it, the run ends with the checkpoint's weights (the done line says so)

@@ -11,6 +11,8 @@ from pathlib import Path
 from ..config.checkpoint_paths import manifest_or_empty, step_name
 from ..errors import UserError
 from ..strict_json import number
+from .metric_runs import RESTARTS_NAMED, split_runs  # noqa: F401 (RESTARTS_NAMED: read here by tests)
+from .metric_runs import continued as _continued
 from .metrics import read_jsonl
 from .stage_marks import mark_stages, stage_starts
 
@@ -32,8 +34,9 @@ def write_plots(run_dir: str | Path, metrics_path: str | Path | None = None, say
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    train, evals = _run_records(run_dir, metrics_path, say)
-    written = [_loss_plot(run_dir, train, evals, plt), _throughput_plot(run_dir, train, plt)]
+    runs = _run_records(run_dir, metrics_path, say)
+    _, train, evals = runs[-1]  # (the run written last: the plots are its, the others' curves drawn beside)
+    written = [_loss_plot(run_dir, train, evals, plt, runs), _throughput_plot(run_dir, train, plt, runs)]
     moe = [r for r in train if "moe_load_mean" in r]
     if moe:
         written.append(_expert_load_plot(run_dir, moe, plt))
@@ -43,23 +46,49 @@ def write_plots(run_dir: str | Path, metrics_path: str | Path | None = None, say
     return written
 
 
-def _run_records(run_dir: Path, metrics_path: str | Path | None, say) -> tuple[list[dict], list[dict]]:
-    """The run's training and eval records, each step once, in step order (a UserError where there are none)."""
+def _run_records(run_dir: Path, metrics_path: str | Path | None, say) -> list[tuple[str | None, list, list]]:
+    """Each run's (run_id, training records, eval records) in the metrics file, each step once, in step order (one
+    run, unless records of several run ids are in it: metric_runs.py); the run directory's own last, else the one
+    written last (a UserError where there are none)."""
     metrics_path = _metrics_file(run_dir, metrics_path)
     cut: list[int] = []
     records = read_jsonl(metrics_path, cut)
     if cut:  # (a run killed, or out of disk, while it wrote a line)
         say(f"note: {metrics_path}: line{'s' * (len(cut) > 1)} {', '.join(map(str, cut))} "
             f"{'are' if len(cut) > 1 else 'is'} no JSON record (a write cut short); left out of the plots")
-    records = _continued(records, metrics_path, say)
-    # (each step once, in step order: a resumed attempt's evaluations may come before its first training record)
-    train = _last_per_step(r for r in records if r.get("kind", "train") == "train")
-    evals = _last_per_step(r for r in records if r.get("kind") == "eval")
-    if not train:
+    runs = []
+    for run_id, ours in split_runs(records):
+        ours = _continued(ours, metrics_path, say)
+        # (each step once, in step order: a resumed attempt's evaluations may come before its first training record)
+        train = _last_per_step(r for r in ours if r.get("kind", "train") == "train")
+        if train:
+            runs.append((run_id, train, _last_per_step(r for r in ours if r.get("kind") == "eval")))
+    if not runs:
         raise UserError(f"{metrics_path} holds no training records to plot: `longctx train` writes one at step 1 and "
                         f"every metrics.log_interval steps after it, so a run stopped before its first step wrote "
                         f"none.")
-    return train, evals
+    if len(runs) > 1:
+        own = _own_run_id(run_dir)
+        runs.sort(key=lambda run: run[0] == own)  # (stable: else the run written last stays last)
+        whose = "the run directory's own (its checkpoints')" if runs[-1][0] == own else "the one written last"
+        say(f"note: {metrics_path} holds the records of {len(runs)} runs (run_id {', '.join(r[0] for r in runs)}): "
+            f"the plots are run {runs[-1][0]}'s, {whose}; each other run's loss and tokens/s are drawn beside, "
+            f"labelled 'run ID'")
+    return runs
+
+
+def _own_run_id(run_dir: Path) -> str | None:
+    """The run_id the run directory's newest checkpoint saved (run_identity.py); None without one."""
+    import json
+
+    from ..checkpoint.manager import TRAINER_STATE
+
+    for step in sorted(_checkpoint_roots(run_dir)[0].glob("step-*"), reverse=True):
+        try:
+            return (json.loads((step / TRAINER_STATE).read_text()).get("run") or {}).get("id")
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def _metrics_file(run_dir: Path, given: str | Path | None) -> Path:
@@ -91,45 +120,14 @@ def _metrics_file(run_dir: Path, given: str | Path | None) -> Path:
 
 
 RUNS_NAMED = 5  # run directories an error names at most
-RESTARTS_NAMED = 3  # restarts of a metrics file's steps the note names at most
-
-
-def _continued(records: list[dict], path: Path, say) -> list[dict]:
-    """The records of the run as the file's last attempt continued it: a training step at or before one already
-    logged starts again (a second run given the same metrics.file, or a resume by a longctx that left the
-    abandoned attempt's records in place; today's moves them aside), and replaces every record from that step on,
-    so the plots show one run, not the newest record of each step from two."""
-    last, restarts, starts = 0, [], set()
-    for i, r in enumerate(records):
-        if r.get("kind", "train") == "train":
-            if r["step"] <= last:
-                restarts.append(f"at step {r['step']} after step {last}")
-                starts.add(i)
-            last = r["step"]
-    # a record is replaced by a later restart at or before its step: one pass from the end with the lowest such
-    # step (cutting the records kept so far at each restart went over them all each time: two runs writing one
-    # file at once restart at every line, 8.5 s for 20,000 steps, minutes for 100,000)
-    kept, floor = [], float("inf")
-    for i in range(len(records) - 1, -1, -1):
-        if records[i]["step"] < floor:
-            kept.append(records[i])
-        if i in starts:
-            floor = min(floor, records[i]["step"])
-    kept.reverse()
-    if restarts:  # (two runs writing the file at once restart at every line: the first few said, and a count)
-        more = len(restarts) - RESTARTS_NAMED
-        said = ", ".join(restarts[:RESTARTS_NAMED]) + (f" and {more:,} more times" if more > 0 else "")
-        say(f"note: {path}: its training records start again {said} (a second run given the same "
-            f"metrics.file, or a resume by an older longctx): the plots show the records written last from there on")
-    return kept
-
-
-def _loss_plot(run_dir: Path, train: list[dict], evals: list[dict], plt) -> Path:
-    """loss.png: the training loss (rolled-back windows shaded, skipped steps marked), the evaluations'."""
+def _loss_plot(run_dir: Path, train: list[dict], evals: list[dict], plt, runs: list) -> Path:
+    """loss.png: the training loss (rolled-back windows shaded, skipped steps marked), the evaluations'; the other
+    `runs` of the metrics file beside it (_plot_other_runs)."""
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, (first, last) in enumerate(rolled_back_steps(run_dir)):  # (their records are the abandoned attempt's)
         ax.axvspan(first - 0.5, last + 0.5, color="0.88", label=None if i else "rolled back (updates discarded)")
     _plot_train_loss(ax, train)
+    _plot_other_runs(ax, runs, lambda r: number(r.get("loss_mean", r["loss"])))
     _mark_skipped(ax, train)
     mark_stages(ax, run_stage_starts(run_dir, train[-1]["step"]))
     # (a staged run's evaluations of each stage are of its length: one line per stage, not joined across)
@@ -151,11 +149,14 @@ def _loss_plot(run_dir: Path, train: list[dict], evals: list[dict], plt) -> Path
     return path
 
 
-def _throughput_plot(run_dir: Path, train: list[dict], plt) -> Path:
-    """throughput.png: tokens/s (with its MFU scale) over the memory the steps used."""
+def _throughput_plot(run_dir: Path, train: list[dict], plt, runs: list) -> Path:
+    """throughput.png: tokens/s (with its MFU scale) over the memory the steps used; the other `runs`' tokens/s."""
     fig, (ax, mem_ax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
     steps = [r["step"] for r in train]
-    ax.plot(steps, [r["tokens_per_s"] for r in train], color="tab:blue", marker=".")
+    ax.plot(steps, [r["tokens_per_s"] for r in train], color="tab:blue", marker=".",
+            label=f"run {runs[-1][0]}" if len(runs) > 1 else None)
+    if _plot_other_runs(ax, runs, lambda r: r["tokens_per_s"]):
+        ax.legend(fontsize=8)
     ax.set_ylabel("tokens/s")
     mark_stages(ax, run_stage_starts(run_dir, steps[-1]))
     # MFU is tokens/s times a constant (model FLOPs per token / the ranks' peak): a second scale on
@@ -175,6 +176,14 @@ def _throughput_plot(run_dir: Path, train: list[dict], plt) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _plot_other_runs(ax, runs: list, value) -> bool:
+    """Each run but the last (the one plotted) of a metrics file several runs wrote: its `value` per training
+    record, a thin line labelled with its id, so two runs' steps are never read as one curve. Whether any was."""
+    for run_id, train, _ in runs[:-1]:
+        ax.plot([r["step"] for r in train], [value(r) for r in train], lw=0.8, alpha=0.7, label=f"run {run_id}")
+    return len(runs) > 1
 
 
 SMOOTHING_POINTS = 5  # logged steps in the moving mean drawn over single-step losses

@@ -30,7 +30,8 @@ def keep_step_state(trainer) -> None:
     if ckpt is None:
         return
     ckpt.extra_state["guard"] = lambda: {**trainer.guard.state_dict(), "skipped_steps": trainer.skipped_steps,
-                                         "skipped_in_a_row": trainer.skipped_in_a_row, "rollbacks": trainer.rollbacks}
+                                         "skipped_in_a_row": trainer.skipped_in_a_row, "rollbacks": trainer.rollbacks,
+                                         "first_skipped_in_a_row": trainer.first_skipped_in_a_row}
     if (moe := trainer.hooks.find(MoEStepHook)) is not None:
         ckpt.extra_state["moe"] = moe.state_dict
     ckpt.extra_state["schedule"] = lambda: schedule_state(trainer.cfg)
@@ -39,6 +40,7 @@ def keep_step_state(trainer) -> None:
         guard = ckpt.resumed_state.get("guard") or {}
         trainer.skipped_steps = int(guard.get("skipped_steps", 0))
         trainer.skipped_in_a_row = int(guard.get("skipped_in_a_row", 0))  # (a resume mid-run goes on counting it)
+        trainer.first_skipped_in_a_row = guard.get("first_skipped_in_a_row")  # (None in a checkpoint saved before it)
         trainer.rollbacks = int(guard.get("rollbacks", 0))  # (a rollback keeps the run's own count: restore_step_state)
         trainer.tokens_offset = _resumed_tokens_offset(ckpt.resumed_state, trainer.sampler.stages)
         restore_step_state(trainer)

@@ -42,6 +42,7 @@ from ..job.launch import end_one_rank_group, under_launcher
 from ..parallel.context.shares import read_local_batch
 from ..progress import phase, progress_bar, said
 from ..step.optimizer import make_optimizer
+from ..step.schedule import lr_at
 from .co2 import co2_rounds
 from .evaluation import evaluate_eval_set
 from .fault_injection import with_step_faults
@@ -58,6 +59,7 @@ from .profile_step import profile_hooks
 from .read_back import read_back, roll_back_trainer, stop_on_signal
 from .report import write_plots
 from .rollback import BadStep, resume_past_rollback
+from .run_identity import keep_run_identity, record_tags
 from .run_lines import describe_run, done_line
 from .run_lock import RunLock
 from .saves import RunSaves
@@ -81,6 +83,7 @@ from .watch import watched
 class TrainResult:
     run_dir: Path
     losses: list[float] = field(default_factory=list)  # one per optimizer step run by this job
+    grad_norms: list[float] = field(default_factory=list)  # (beside losses: a line logged after a rollback reads one)
     first_step: int = 1  # the step losses[0] belongs to (> 1 after a resume)
     eval_losses: dict[int, float] = field(default_factory=dict)
     eval_by_store: dict[int, dict[str, float]] = field(default_factory=dict)  # a mix's: each store's eval loss
@@ -143,6 +146,7 @@ class Trainer:
         self.last_spike: torch.Tensor | None = None  # the last step's spike flag (on the device)
         self.skipped_steps = 0  # steps whose update the guard did not apply (as read so far)
         self.skipped_in_a_row = 0  # of them, the latest run of steps with none applied between (train.skip_limit)
+        self.first_skipped_in_a_row: int | None = None  # that run's first step (None: not known, an old checkpoint)
         self.skipped_at: set[int] = set()  # their indices in this job's TrainResult.losses (left out of loss_mean)
         self.rollbacks = 0
         self.rollback_repeats: dict = {}  # the last rollbacks in a row to one checkpoint (rollback.check_repeats)
@@ -167,6 +171,7 @@ class Trainer:
         if self.start_step == 0:  # (a draft run's reduced vocabulary: counted when it starts, a resume's is saved)
             choose_draft_vocab(self.model, cfg, rt, self.log)
         keep_step_state(self)  # the spike check's window, the routers' placements: saved, restored
+        keep_run_identity(self)  # the run's id in its metrics records, kept by a resume
         self.saves = RunSaves(self.ckpt, cfg, self.log)  # checkpoint.interval / final / on_save_error
         # train.data_parallel = co2: CO2's rounds over the replicas (co2.py; None under sync)
         self.co2 = co2_rounds(cfg, self.model, self.optimizer, rt, self.ckpt, self.log)
@@ -241,7 +246,8 @@ class Trainer:
 
     def _train(self) -> TrainResult:
         cfg = self.cfg
-        self.metrics.open(self.start_step + 1)  # (a resume's TensorBoard hides the abandoned attempt's later steps)
+        # (a resume's TensorBoard hides the abandoned attempt's later steps; every record names the run: run_identity)
+        self.metrics.open(self.start_step + 1, record_tags(self))
         progress = progress_bar(cfg.train.steps, "train", "step", cfg.metrics.progress and self.rt.is_main,
                                 initial=self.start_step)  # (a resume's steps are done: not in the rate or time left)
         self.metrics.say = progress.write if progress is not None else self.log
@@ -289,6 +295,7 @@ class Trainer:
                 except BadStep as bad:  # train.on_nonfinite = rollback
                     # a new interval, as the router figures' (hooks.rolled_back): no rolled-back loss in a mean
                     read_at, step = step, roll_back_trainer(self, bad, loop.result)
+                    self._log_kept_steps(loop)
                     loop.mean_from = len(loop.result.losses)
                     loop.beat.update(step - (read_at - 1))  # (the steps after the bad one run again: counted once)
                     continue
@@ -315,28 +322,45 @@ class Trainer:
         self.metrics.stepped(stage.global_batch * stage.seq_len)
         return lr
 
-    def _log_step(self, step: int, loss: float, grad_norm: float, lr: float, loop: _Loop) -> None:
+    def _log_kept_steps(self, loop: _Loop) -> None:
+        """After a rollback: the steps it kept (in the checkpoint it went back to) that no metrics line covers yet,
+        logged as a line of the checkpoint's step (no router figures: the hooks' were of the discarded steps too).
+        A loss curve that left them out lost trained steps without a word; the steps after them, run and then
+        discarded, stay in no mean (the next interval starts after the bad step)."""
+        back_to = int(self.ckpt.resumed_from[1]["step"])
+        end = back_to - loop.result.first_step + 1  # (the kept steps' losses: the bad step's and before are kept)
+        if end <= loop.mean_from:  # (a line covered them, or the checkpoint is where this job began)
+            return
+        figures = loop.result
+        self._log_step(back_to, figures.losses[end - 1], figures.grad_norms[end - 1], lr_at(back_to - 1, self.cfg),
+                       loop, end=end)
+
+    def _log_step(self, step: int, loss: float, grad_norm: float, lr: float, loop: _Loop,
+                  end: int | None = None) -> None:
         """`step`'s metrics line (metrics.py), with where the run is: tokens, stage, skips, the hooks' fields,
         and the mean loss of the interval's steps (every step's loss is read back anyway; a skipped
-        step's left out: non-finite, or a spike whose update was not applied), which loss.png draws."""
+        step's left out: non-finite, or a spike whose update was not applied), which loss.png draws. `end`: the
+        interval ends there in the losses (a rollback's kept steps: _log_kept_steps), not at the newest."""
         losses = loop.result.losses
-        start, loop.mean_from = loop.mean_from, len(losses)  # (a rollback's cut resets mean_from)
-        interval = losses[start:]
+        whole = end is None
+        end = len(losses) if whole else end
+        start, loop.mean_from = loop.mean_from, end  # (a rollback's cut resets mean_from)
+        interval = losses[start:end]
         finite = [x for i, x in enumerate(interval, start) if math.isfinite(x) and i not in self.skipped_at]
         self.metrics.line(step, loss, grad_norm, lr, {  # (interval_steps: what loss_mean and router figures cover)
             **({"loss_mean": sum(finite) / len(finite)} if finite else {}), "interval_steps": len(interval),
             "tokens": self.tokens_offset + tokens_through(self.sampler.stages, step),
-            "seq_len": self.sampler.stage.seq_len, **self._stage_field(),
+            "seq_len": self.sampler.stage_of(step).seq_len, **self._stage_field(step),
             "elapsed_s": time.perf_counter() - loop.start,
             **({"skipped_steps": self.skipped_steps} if self.skipped_steps else {}),
             **({"rollbacks": self.rollbacks} if self.rollbacks else {}),
-            **self.hooks.log_fields(step, last=step == self.cfg.train.steps)})
+            **(self.hooks.log_fields(step, last=step == self.cfg.train.steps) if whole else {})})
         said()  # a metrics line: the heartbeat's quiet starts again
 
-    def _stage_field(self) -> dict:
+    def _stage_field(self, step: int) -> dict:
         """{"stage": k} (1-based) in a run of several stages, which a metrics record's seq_len alone does not name
         (two stages of one length); {} otherwise."""
-        return {"stage": self.sampler.stage.index + 1} if len(self.sampler.stages) > 1 else {}
+        return {"stage": self.sampler.stage_of(step).index + 1} if len(self.sampler.stages) > 1 else {}
 
     def step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step (1-based): its loss over the global batch and the gradient norm, both
@@ -361,7 +385,7 @@ class Trainer:
         if self.last_eval.by_store is not None:  # (a mix of stores)
             result.eval_by_store[step] = self.last_eval.by_store
         seconds = time.perf_counter() - start
-        stage = self._stage_field()  # (a staged run's eval set is of its stage's length: said in the record)
+        stage = self._stage_field(step)  # (a staged run's eval set is of its stage's length: said in the record)
         self.metrics.evaluated(step, loss, seconds, before, self.hooks.eval_note(), self.last_eval.by_store,
                                {**stage, "seq_len": self.sampler.stage.seq_len} if stage else None)
         return seconds
