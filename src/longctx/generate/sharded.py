@@ -185,7 +185,9 @@ class ShardedKVCache(CacheRows, TreeCalls):
                  for s in range(0, max(q.shape[1], 1), READ_ROWS)]
         out, lse = parts[0] if len(parts) == 1 else (torch.cat([p[0] for p in parts], 1),
                                                      torch.cat([p[1] for p in parts], 2))
-        return _gather_heads(merge_over_ctx(out, lse, self.ctx_mesh) if self.c > 1 else out, self)
+        # in the query's dtype, as attend gives it: the partials and their merge are fp32, and a bf16 reader's
+        # output projection refused fp32 (a GliDe draft under --nproc on a GPU, bf16 by default)
+        return _gather_heads(merge_over_ctx(out, lse, self.ctx_mesh) if self.c > 1 else out, self).to(q.dtype)
 
 
 class _ShardedLayer:

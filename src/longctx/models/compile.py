@@ -10,12 +10,39 @@ FSDP2's hooks stay on the block's own call, outside the compiled code. All block
 object, so the compiled graph is reused across them (`inline_inbuilt_nn_modules` makes the
 parameters graph inputs, not constants); only a new token count (a last, shorter chunk of
 `memory.block_chunk`) compiles again, once, as a dynamic shape.
+
+`check_compiler` runs before: inductor builds C++ kernels on a CPU and Triton ones on a GPU, and a machine
+without what it needs failed in the first step's forward (inductor's traceback, after the whole set-up)
+rather than with a line saying what to set.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from ..errors import ConfigError
+
+
+def check_compiler(device_type: str) -> None:
+    """A ConfigError unless inductor can build kernels for `device_type` (a C++ compiler on a CPU, Triton on a
+    GPU). Cheap: the compiler's `--version` or Triton's import, no kernel built."""
+    try:
+        if device_type == "cpu":
+            from torch._inductor.cpp_builder import get_cpp_compiler
+
+            get_cpp_compiler()  # (raises InvalidCxxCompiler; cached, as inductor's own search is)
+        elif device_type == "cuda":
+            from torch.utils._triton import has_triton
+
+            if not has_triton():
+                raise RuntimeError("no usable Triton for this GPU (not installed, or the GPU too old for it)")
+    except Exception as e:  # noqa: BLE001 - whatever the compiler stack raises, the fix is the setting
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"train.compile: torch.compile (inductor) cannot build kernels on {device_type} "
+                          f"({type(e).__name__}: {first[:300]}); on a CPU it needs a C++ compiler (g++, or the "
+                          f"one the CXX variable names), on a GPU Triton. Set --train.compile=false (the same "
+                          f"training, eager), or install what the compiler needs.") from e
 
 
 def compile_token_wise_parts(layers: nn.ModuleList) -> None:

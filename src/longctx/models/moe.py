@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
+from ..ops.eager import eager_under_compile
 from ..ops.grouped import grouped_mm
 from .balanced_assignment import balanced_assignment, sinkhorn
 from .moe_capacity import CallTokens, capacity_kept, decide, padded_choices
@@ -230,6 +231,10 @@ class DTSRouter(Router):
         where = "as its schedule ends" if ended else f"as training at step {self.step + 1}"
         return f"dts routing {where} ({k} experts per token, temperature {temperature:.2f})"
 
+    # Eager under train.compile: the schedule is read from `step`, a Python int that changes every optimizer
+    # step; traced into a compiled block's `post` it is a guarded constant, and each step compiled the block
+    # again until torch._dynamo's recompile limit ran the rest of the run's blocks eagerly, silently
+    @eager_under_compile
     def choose(self, logits, chosen=None):
         temperature, k = self.routing()
         probs = (logits / temperature).softmax(-1)
