@@ -14,9 +14,8 @@ Routing is a function of the token alone (for the dropless routers), so any slic
 (ranks of a sequence-parallel layout, memory.block_chunk, recomputation) routes each token as the
 whole batch on one device would. Two things see more than a token, and both are defined over every
 token of the micro-batch, as one device holding it (all its data-parallel rows, whole sequences):
-- the balancing losses: the layer records per-call sums (`RouterRecord`) and the model combines them
-  after its forward (`router_terms`, models/moe_stats.py), through a `sum` hook that parallelize() points at the ranks
-  holding the micro-batch;
+- the balancing losses: the layer records per-call sums (`RouterRecord`), the model combines them after its forward
+  (`router_terms`, models/moe_stats.py) through a `sum` hook parallelize() points at the ranks holding the micro-batch;
 - capacity (moe.capacity_factor > 0) and the Sinkhorn router's balanced assignment in training
   (models/moe_capacity.py): the call's routing input (the choices, T x k integers; Sinkhorn's logits)
   is gathered over those ranks in one-device token order through the layer's `call_tokens` hook,
@@ -46,12 +45,7 @@ from ..ops.eager import eager_under_compile
 from ..ops.grouped import grouped_mm
 from .balanced_assignment import balanced_assignment, sinkhorn
 from .moe_capacity import CallTokens, capacity_kept, decide, padded_choices
-from .moe_dispatch import (  # noqa: F401  (Routing, TokenRows: imported from here too)
-    Routing,
-    TokenDispatcher,
-    TokenRows,
-    expert_counts,
-)
+from .moe_dispatch import Routing, TokenDispatcher, TokenRows, expert_counts  # noqa: F401  (re-exported too)
 from .moe_stats import RouterRecord, RouterTerms, record_call, router_terms, update_expert_bias  # noqa: F401
 from .swiglu import FeedForward
 
@@ -198,10 +192,10 @@ class DTSRouter(Router):
     optimizer steps. The paper's Gumbel noise is left out, so that routing stays a function of the
     token (the same under every layout and in recomputation).
 
-    In evaluation (moe.dts_eval): `schedule` routes as training does at the router's step (what the
-    weights were trained to, also during the warm-up), `top_k` as the schedule ends (top-k at
-    temperature 1). With no step set (a model built outside a training run, e.g. for `longctx
-    generate`), training starts at step 0 and evaluation routes as the schedule ends."""
+    In evaluation (moe.dts_eval): `schedule` routes as training does at the router's step (what the weights were
+    trained to, also during the warm-up), `top_k` as the schedule ends (top-k at temperature 1). With no step set
+    (a model built outside a training run, e.g. for `longctx generate`), training starts at step 0 and evaluation
+    routes as the schedule ends."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -219,7 +213,7 @@ class DTSRouter(Router):
         """(temperature, experts per token) of the next call, in training or evaluation."""
         return self.schedule(self.step or 0) if self.training else self.eval_schedule()
 
-    def eval_schedule(self) -> tuple[float, int]:
+    def eval_schedule(self) -> tuple[float, int]:  # (temperature, experts per token) in evaluation
         if self.eval_routing == "schedule" and self.step is not None:
             return self.schedule(self.step)
         return 1.0, self.top_k
@@ -231,9 +225,8 @@ class DTSRouter(Router):
         where = "as its schedule ends" if ended else f"as training at step {self.step + 1}"
         return f"dts routing {where} ({k} experts per token, temperature {temperature:.2f})"
 
-    # Eager under train.compile: the schedule is read from `step`, a Python int that changes every optimizer
-    # step; traced into a compiled block's `post` it is a guarded constant, and each step compiled the block
-    # again until torch._dynamo's recompile limit ran the rest of the run's blocks eagerly, silently
+    # eager under train.compile: the schedule reads `step`, an int that changes every step, which a compiled `post`
+    # guards on (it compiled again each step, until dynamo's recompile limit ran the blocks eagerly, silently)
     @eager_under_compile
     def choose(self, logits, chosen=None):
         temperature, k = self.routing()
