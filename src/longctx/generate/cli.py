@@ -7,7 +7,8 @@
 
 With --nproc N the cache is sharded over head x ctx ranks as training shards the sequence
 (generate/sharded.py): each rank holds the full weights and 1/(head x ctx) of the cache, and
-the ranks return the same tokens as one process; rank 0 writes them.
+the ranks return the same tokens (one process's in fp32; in bf16 up to rounding, which can flip a near-tie:
+docs/generate.md); rank 0 writes them.
 
 Input: `--prompt TEXT` or `--prompts FILE.jsonl` (one `{"prompt": ...}` object per line, blank lines skipped; an "id"
 field is copied to the output, a "seed" seeds that prompt's draws; with --chat a line may hold
@@ -235,12 +236,19 @@ def main(args, overrides) -> int:
 
 
 def run(request: GenerateRequest, args) -> int:
-    from ..job.launch import finish_distributed
+    from ..job.launch import end_one_rank_group, finish_distributed
+    from ..job.relaunch import note_finished
 
     try:
-        return _run(request, args)
-    finally:
-        finish_distributed()
+        code = _run(request, args)
+    except BaseException:
+        # (no barrier: an error of rank 0 alone, its stdout's reader gone, left the other ranks in the next step's
+        # collective, and a barrier here waited for them for good; the error ends the job through the launcher)
+        end_one_rank_group()
+        raise
+    note_finished()  # (a rank of `--nproc N`: its lines are out; a signal to the launcher from here on stops nothing)
+    finish_distributed()
+    return code
 
 
 def _run(request: GenerateRequest, args) -> int:

@@ -229,6 +229,8 @@ def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: P
     elastic = logging.getLogger("torch.distributed.elastic")
     level = elastic.level
     elastic.setLevel(logging.ERROR)
+    workers = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    workers.addFilter(_no_failed_worker_line)
     try:
         forwarded.running = True
         try:
@@ -246,11 +248,8 @@ def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: P
             return
         # the shell's code of a process a signal ended (130 for Ctrl-C, 143 for SIGTERM), as one process exits:
         # a script tells an interrupted run from a failed one (it exited 1, a failure's code)
-        raise RankError(f"stopped by {signal.Signals(e.sigval).name} before the ranks saved a checkpoint (they save "
-                        f"on checkpoint.on_signal when the run saves: checkpoint.interval > 0 or "
-                        f"checkpoint.final, from their set-up on; one that came while they started, before it, "
-                        f"stops them with nothing trained since the last checkpoint, which "
-                        f"`--checkpoint.resume auto` continues from).", 128 + int(e.sigval)) from None
+        raise RankError(_stopped_by(signal.Signals(e.sigval).name, argv[0] if argv else ""),
+                        128 + int(e.sigval)) from None
     except ChildFailedError as e:
         hang = watchdog.hang_report(error_dir, nproc)
         if hang is not None:  # the ranks' watchdogs fired (parallel.timeout_s): say where each was, once
@@ -262,15 +261,47 @@ def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: P
         if errors:
             lines = [f"{_ranks_label(ranks, nproc)}: {message}" for message, (ranks, _) in errors.items()]
             raise RankError("\n".join(lines), next(iter(errors.values()))[1]) from None
-        raise _first_failure(e.failures, nproc, forwarded.passed, _crash_times(error_dir)) from None
+        raise _first_failure(e.failures, nproc, forwarded.passed, _crash_times(error_dir),
+                             argv[0] if argv else "") from None
     finally:
         elastic.setLevel(level)
+        workers.removeFilter(_no_failed_worker_line)
 
 
-def _first_failure(failures: dict, nproc: int, passed=(), crashed: dict[int, float] | None = None) -> UserError:
+def _no_failed_worker_line(record: logging.LogRecord) -> bool:
+    """torchrun's "failed (exitcode: 141) local_rank: 0 (pid: ...) of binary: ..." left out: the launcher's own
+    summary names the rank, its exit and its error, and a rank's one-line error (a reader that closed stdout, as
+    one process says it) read as two."""
+    return not str(record.msg).startswith("failed (exitcode")
+
+
+# what a job stopped by a signal the launcher got leaves behind, by command (train's checkpoints: _stopped_by)
+_LEFT_BY_A_STOP = {
+    "generate": "the lines it finished, if any, stay in --output's FILE.partial (FILE itself is written only by a "
+                "whole run), or went to stdout; run it again for every line",
+    "eval": "the lengths it finished, if any, are kept where rank 0 said above (--output's .incomplete file); run "
+            "it again for the others",
+}
+
+
+def _stopped_by(signame: str, command: str) -> str:
+    """The error of a job this launcher's signal (SIGTERM, Ctrl-C's SIGINT) stopped: for train, what its ranks
+    save; for generate and eval, which save no checkpoint, what the command itself keeps (_LEFT_BY_A_STOP)."""
+    if command != "train":
+        left = _LEFT_BY_A_STOP.get(command, "run it again")
+        return f"stopped by {signame} before `longctx {command}` finished (it saves no checkpoint): {left}."
+    return (f"stopped by {signame} before the ranks saved a checkpoint (they save on checkpoint.on_signal when the "
+            f"run saves: checkpoint.interval > 0 or checkpoint.final, from their set-up on; one that came while they "
+            f"started, before it, stops them with nothing trained since the last checkpoint, which "
+            f"`--checkpoint.resume auto` continues from).")
+
+
+def _first_failure(failures: dict, nproc: int, passed=(), crashed: dict[int, float] | None = None,
+                   command: str = "train") -> UserError:
     """The error to raise when no rank reported one of its own: which rank failed first and how, from
     `failures` (torchrun's ChildFailedError.failures, {rank: ProcessFailure}); `passed`: the signals the
-    launcher passed on to the ranks (_forwarding); `crashed`: when ranks noted their own errors (note_crash)."""
+    launcher passed on to the ranks (_forwarding); `crashed`: when ranks noted their own errors (note_crash);
+    `command`: the job's (train's ranks save on a signal, generate's and eval's act on none)."""
     # The root cause: the rank torchrun saw end first. Its timestamps are whole seconds of one pass over the
     # ranks, and a rank it saw later ended later: one that outlived torchrun's SIGTERM (a rank records the signal
     # and goes on to its step boundary) is SIGKILLed by torchrun 30 s on, which is no out-of-memory killer's.
@@ -298,7 +329,10 @@ def _first_failure(failures: dict, nproc: int, passed=(), crashed: dict[int, flo
             pass
     others = sorted(set(failures) - {first_rank})
     signalled = failure.exitcode is not None and -failure.exitcode in passed  # (the launcher's signal, not a crash)
-    if signalled:
+    if signalled and command != "train":
+        hint = (f" The launcher got {what[len('killed by '):]} and passed it on to the ranks, which ended by it "
+                f"(`longctx {command}` does not act on it).")
+    elif signalled:
         hint = (f" The launcher got {what[len('killed by '):]} and passed it on to the ranks, which do not stop on "
                 f"it: a training run that saves checkpoints saves and stops on checkpoint.on_signal's signals.")
     elif failure.exitcode == -signal.SIGKILL:
