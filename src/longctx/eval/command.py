@@ -117,7 +117,7 @@ def main(args, overrides) -> int:
     import time
 
     from ..job.launch import check_launcher_env, refuse_scheduler_tasks, under_launcher
-    from ..job.relaunch import argv_without_nproc, relaunch
+    from ..job.relaunch import argv_without_nproc, note_finished, relaunch
     from .request import prepare
 
     tasks = parse_tasks(args.task)  # (first: an unknown or repeated task before anything is read)
@@ -153,11 +153,11 @@ def main(args, overrides) -> int:
     except BaseException as e:  # (the lengths finished are kept, or it is said that none was: eval/stopped.py)
         keep_stopped(requests, args, e, time.perf_counter() - start)
         raise
-    if parts is None:  # not rank 0
-        return 0
-    _write(combined_result(parts, requests[0].lengths, time.perf_counter() - start), args)
-    for part, own in zip(parts, args_list):
-        _write_plot(part, own)
+    if parts is not None:  # rank 0
+        _write(combined_result(parts, requests[0].lengths, time.perf_counter() - start), args)
+        for part, own in zip(parts, args_list):
+            _write_plot(part, own)
+    note_finished()  # (a rank of `--nproc N`: its part is done; a signal to the launcher from here on stops nothing)
     return 0
 
 
@@ -198,22 +198,24 @@ def evaluate_tasks(requests: list[EvalRequest], args_list: list) -> list[dict] |
     model: --mode score's built in the training layout (score_mode.py), --mode generate's loaded whole on
     each rank (generate_mode.py); ppl is always scored, so ppl beside passkey/needle under --mode generate
     builds the other kind after the first mode's tasks (the weights read twice: said before work). The process
-    groups are ended once, after the last task."""
+    groups are ended once, after the last task; after an error they are left to the process's exit (a barrier
+    would wait for ranks still in a collective)."""
     import gc
 
-    from ..job.launch import finish_distributed
+    from ..job.launch import end_one_rank_group, finish_distributed
 
     parts: dict[int, dict] | None = {}
     for which, group in enumerate(_mode_runs(requests)):
         if which:  # (the previous mode's model, FSDP's reference cycles and all, freed before the next is built)
             gc.collect()
-        mode = requests[group[0]].mode
-        run = _run_mode(mode)
+        run = _run_mode(requests[group[0]].mode)
         try:
             got = run([requests[i] for i in group], [args_list[i] for i in group])
         except BaseException:
-            if mode == "generate":  # (as a generate run always did; a score run ends its one-rank group itself)
-                finish_distributed()
+            # (no barrier: an error of one rank alone, rank 0 stopped or out of memory, left the others in the next
+            # decode step's collective, and finish_distributed's barrier here waited for them for good; the error
+            # ends the job through the launcher, which stops the other ranks)
+            end_one_rank_group()
             raise
         parts = None if got is None or parts is None else {**parts, **dict(zip(group, got))}
     finish_distributed()

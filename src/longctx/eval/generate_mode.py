@@ -118,12 +118,14 @@ def evaluate_generate(request: EvalRequest, args) -> dict | None:
     """--mode generate: each prompt (the sequence up to its answer) continued greedily by the answer's
     length + EXTRA_NEW_TOKENS tokens, on one device or sharded over head x ctx (every rank the same
     tokens); right when the first run of digits generated is the answer. The result on rank 0."""
-    from ..job.launch import finish_distributed
+    from ..job.launch import end_one_rank_group, finish_distributed
 
     try:
         results = generate_tasks([request], [args])
-    finally:
-        finish_distributed()
+    except BaseException:
+        end_one_rank_group()  # (no barrier: a peer of a rank that failed alone waits in a decode collective)
+        raise
+    finish_distributed()
     return results[0] if results is not None else None
 
 
