@@ -49,6 +49,10 @@ def _score_tasks(requests: list[EvalRequest], args_list: list) -> list[dict] | N
 
     cfg, checkpoint = requests[0].cfg, args_list[0].checkpoint
     rt, device = join_job(cfg)
+    if cfg.train.compile:  # (before the weights are read: models/compile.py)
+        from ..models.compile import check_compiler
+
+        check_compiler(device.type)
     log = say if rt.is_main else (lambda *_: None)
     dtype = resolve_dtype(cfg.train.dtype, device)
     with phase(f"eval: building the model from {checkpoint}{step_read(checkpoint)}"):

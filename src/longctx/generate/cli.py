@@ -256,6 +256,7 @@ def _run(request: GenerateRequest, args) -> int:
     import torch
 
     from ..job.devices import resolve_dtype
+    from ..models.recompiles import RecompileWatch
     from .engine import generate
     from .loading import backend_for, load_model
     from .output import Output
@@ -275,13 +276,11 @@ def _run(request: GenerateRequest, args) -> int:
     samples = args.num_samples
     draft = _load_draft(request, args, model, device, dtype, main_rank)
     if step and draft is not None:  # (the verifications' buckets and the draft's steps, before the first timing)
-        from .local import LocalGeneration
-        from .speculative import warm_up
-
-        warm_up(step, model, draft, args.speculate, request.cape, isinstance(backend, LocalGeneration),
-                args.speculate_adaptive)
+        _warm_up_draft(step, model, draft, request, args, backend)
     if memory is not None and main_rank:
         say(describe(memory, args.prefill_chunk))
+    # --compile: a compile after the warm-up is a line (said) and counts in the output lines' compile_recompiles
+    watch = RecompileWatch() if step else None
     # speculation and InfLLM (rows of one length): one prompt at a time
     size = 1 if draft is not None or memory is not None else args.batch
     eos = [] if args.ignore_eos else request.eos_ids
@@ -302,6 +301,7 @@ def _run(request: GenerateRequest, args) -> int:
                                    stop=output.stops, on_token=output.on_token, device=device,
                                    backend=memory or backend,
                                    seeds=seeds, num_samples=samples, logprobs=args.logprobs, compile=step)
+            _note_recompiles(watch, results, start, main_rank)
             for i, r in enumerate(results):  # (prompt-major: a prompt's samples together)
                 output.write(batch[i // samples], r, speculative=draft is not None, samples=samples)
             output.flush()
@@ -311,6 +311,36 @@ def _run(request: GenerateRequest, args) -> int:
     if args.output and main_rank:
         say(f"generate: wrote {args.output}")
     return 0
+
+
+def _warm_up_draft(step, model, draft, request: GenerateRequest, args, backend) -> None:
+    """--compile with a draft: the verifications' buckets and the draft's steps compiled before the first timing."""
+    from .local import LocalGeneration
+    from .speculative import warm_up
+
+    warm_up(step, model, draft, args.speculate, request.cape, isinstance(backend, LocalGeneration),
+            args.speculate_adaptive)
+
+
+def _note_recompiles(watch, results, start: int, main_rank: bool) -> None:
+    """The compiles since the last batch (after the warm-up, which compiles what the run's shapes need): each
+    said with its function and the guard that failed, their count on each of the batch's results. Past dynamo's
+    recompile limit a --compile step (fullgraph) is an error of torch's, not an eager fallback. (watch None:
+    no --compile.)"""
+    from ..models.recompiles import recompile_limit
+
+    if watch is None:
+        return
+    recompiles = watch.take()
+    for r in results:
+        r.compile_recompiles = len(recompiles)
+    if not main_rank:
+        return
+    for r in recompiles:
+        say(f"generate: --compile: {r.function} compiled again for the batch from prompt {start + 1} (the guard "
+            f"that failed: {r.reason}); the warm-up is meant to compile every graph the run needs, so each "
+            f"recompile is a compile inside a timed generation (its decode_tokens_per_s) and counts towards "
+            f"torch._dynamo's recompile limit ({recompile_limit()}). Without --compile the run decodes eagerly.")
 
 
 def _warm_up(request: GenerateRequest, args, model, device, backend, main_rank: bool, one_row: bool = False):

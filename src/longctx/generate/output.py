@@ -322,7 +322,7 @@ class Output:
                 **({"tau": round(result.tau, 3), "target_passes": result.passes} if speculative else {})}
         if samples > 1:
             line["sample"] = result.sample
-        for key in ("seed", "logprobs", "top_logprobs"):
+        for key in ("seed", "logprobs", "top_logprobs", "compile_recompiles"):
             if getattr(result, key, None) is not None:
                 line[key] = getattr(result, key)
         if self.stream is None and self.bar is not None and speculative:  # (speculation calls no on_token)

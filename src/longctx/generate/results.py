@@ -23,6 +23,9 @@ class Result:
     accepted: list[int] = field(default_factory=list)
     proposed: list[int] = field(default_factory=list)
     unused: int = 0  # kept proposals of the last pass after the row's end (EOS, stop, limit): verified, not emitted
+    # --compile: compiles of an already compiled step during this result's generation (its batch's), after the
+    # warm-up (generate/cli.py; models/recompiles.py); None without --compile
+    compile_recompiles: int | None = None
 
     @property
     def prefill_tokens_per_s(self) -> float:

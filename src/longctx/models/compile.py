@@ -11,9 +11,14 @@ object, so the compiled graph is reused across them (`inline_inbuilt_nn_modules`
 parameters graph inputs, not constants); only a new token count (a last, shorter chunk of
 `memory.block_chunk`) compiles again, once, as a dynamic shape.
 
-`check_compiler` runs before: inductor builds C++ kernels on a CPU and Triton ones on a GPU, and a machine
-without what it needs failed in the first step's forward (inductor's traceback, after the whole set-up)
-rather than with a line saying what to set.
+`check_compiler` runs first, before any data or model work (train/preflight.py in `longctx train`'s launcher,
+again on each rank at the Trainer's start, and at eval's): inductor builds C++ kernels on a CPU and Triton ones on
+a GPU, and a machine without what it needs failed in the first step's forward (inductor's traceback, after the
+whole set-up) rather than with a line saying what to set.
+
+A compiled part that compiles again after the run's first step (a guard of its graph failed) is said in the run's
+lines and counted in its metrics (train/recompile_hook.py, models/recompiles.py): past torch._dynamo's recompile
+limit it would otherwise run eagerly for the rest of the run, silently.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from torch.distributed.fsdp import fully_shard
 
 from ..job import comm
 from ..memory.apply_policy import apply_glide_memory_policy, apply_memory_policy
-from ..models.compile import check_compiler, compile_token_wise_parts
+from ..models.compile import compile_token_wise_parts
 from ..models.llama import local_attention
 from ..models.moe import MoEFeedForward, moe_layers
 from ..ops.chunked import ChunkedLocalCore
@@ -141,8 +141,7 @@ def parallelize(model, dims, cfg, mesh, device_type: str = "cpu"):
     # 2. activation memory
     apply_memory(model, cfg.memory, device_type)
     # 3. regional compilation of the token-wise parts (the memory policies call them; see models/compile.py)
-    if cfg.train.compile:
-        check_compiler(device_type)  # (a clear error now, not inductor's inside the first step)
+    if cfg.train.compile:  # (check_compiler ran before: train/preflight.py, the Trainer's and eval's set-up)
         compile_token_wise_parts(model.layers)
     # 4. hybrid ZeRO, the blocks in gradient buckets (at world 1 too when the states live in host memory)
     if uses_fsdp(dims, cfg):

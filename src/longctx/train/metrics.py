@@ -108,6 +108,10 @@ def format_line(r: dict) -> str:
                      f"{r['moe_load_worst']:.2f}" + (f" drop {100 * r['moe_drop_rate']:.1f}%" if r["moe_drop_rate"]
                                                      else "")
                      + (f" rank load {r['expert_rank_load']:.2f}" if "expert_rank_load" in r else ""))
+    if r.get("compile_recompiles"):  # (train.compile: recompiles after the warm-up, train/recompile_hook.py)
+        parts.append(f"recompiled {r['compile_recompiles']}x")
+    if r.get("compile_limit_hits"):
+        parts.append(f"EAGER: {r['compile_limit_hits']} compiled region(s) past the recompile limit")
     if r.get("skipped_steps"):
         parts.append(f"skipped {r['skipped_steps']} (non-finite or spike)")
     if r.get("comm_bytes_per_step"):

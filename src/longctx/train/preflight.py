@@ -2,11 +2,12 @@
 
 Found after launch, a mistake is printed by every rank, glued into the others' output and wrapped
 in the launcher's lines, and only after the time it takes to start them. So before any rank starts,
-the launcher checks the layout, the paths (data store, Hugging Face weights, checkpoint to resume,
-run directory; no file where a directory the run writes should be, no other run's checkpoints in its
-checkpoint directory), what the data store holds against the run (sample length, tokenizer against the
-model's vocabulary, eval split), and optional packages; it also builds or finds the cached default
-store and the CPU peak that MFU divides by, so no rank does either while the others wait.
+the launcher checks the device (with train.compile, that torch.compile can build kernels on it), the layout,
+the paths (data store, Hugging Face weights, checkpoint to resume, run directory; no file where a directory the
+run writes should be, no other run's checkpoints in its checkpoint directory), what the data store holds against
+the run (sample length, tokenizer against the model's vocabulary, eval split), and optional packages; it also
+builds or finds the cached default store and the CPU peak that MFU divides by, so no rank does either while the
+others wait.
 Before the data (cheap checks first) it refuses a run whose ranks on this node would not fit in
 the free host memory (`check_host_memory`), as the OOM killer would refuse it later.
 The ranks repeat the checks that guard their own work (a job started by torchrun directly has no
@@ -35,6 +36,7 @@ from ..durable import file_in_the_way
 from ..errors import ConfigError, DataError
 from ..job.checks import check_layout, ranks_per_node
 from ..job.devices import resolve_device, resolve_dtype
+from ..models.compile import check_compiler
 from ..models.hf_files import weight_files
 from .host_budget import check_host_memory
 from .setup import (
@@ -51,6 +53,8 @@ from .stages import holdout_grid, stage_config, stages_of
 def preflight(cfg: Config, nproc: int, log=print) -> None:
     """Raise the first UserError a run of `cfg` on `nproc` ranks would meet at start-up."""
     device_type = _device_type(cfg)  # first: train.device=cuda on a machine without one fails before any data work
+    if cfg.train.compile:  # (no C++ compiler / Triton: one line naming the setting, not inductor's in the first step)
+        check_compiler(device_type)
     dims = check_layout(cfg, nproc)
     clover = clover_ranks_problem(cfg, dims.world_size)  # (data ranks: refused here, before the data store)
     if clover:

@@ -39,6 +39,7 @@ from ..job.checks import check_layout
 from ..job.devices import resolve_device, resolve_dtype, seed_everything, use_deterministic_algorithms
 from ..job.join import join_job
 from ..job.launch import end_one_rank_group, under_launcher
+from ..models.compile import check_compiler
 from ..parallel.context.shares import read_local_batch
 from ..progress import phase, progress_bar, said
 from ..step.optimizer import make_optimizer
@@ -57,6 +58,7 @@ from .moe_hooks import MoEStepHook, moe_step_hooks
 from .preemption import EarlySignals, StopOnSignal, command_age, set_up_stop
 from .profile_step import profile_hooks
 from .read_back import read_back, roll_back_trainer, stop_on_signal
+from .recompile_hook import recompile_hooks
 from .report import write_plots
 from .rollback import BadStep, resume_past_rollback
 from .run_identity import keep_run_identity, record_tags
@@ -127,6 +129,8 @@ class Trainer:
         self.autocast_dtype = self.dtype if self.dtype != torch.float32 else None
         seed_everything(cfg.train.seed)
         check_packages(cfg)
+        if cfg.train.compile:  # (before the data and the model: a rank started without `longctx train`'s preflight)
+            check_compiler(self.device.type)
         self.run_dir = Path(on_main(rt, lambda: str(make_run_dir(cfg, self.run_lock)), "making the run directory"))
         self.cfg = resolve_offload(cfg, self.device, rt, self.log)
 
@@ -154,6 +158,8 @@ class Trainer:
         self.optimizer = make_optimizer(self.model, cfg)
         self.hooks.hooks += host_update_hooks(self.optimizer)  # the host update's time (host_optimizer)
         self.hooks.hooks += profile_hooks(cfg, self.run_dir, rt.rank, self.device, self.log)  # metrics.profile_step
+        # train.compile (ZeRO++'s compiled kernels): a recompile after the warm-up, said and counted (recompile_hook.py)
+        self.hooks.hooks += recompile_hooks(cfg, rt, self.device.type, self.log)
 
     def _open_run(self, read_ahead: bool) -> None:
         """The data, the checkpoints and what a resume restores, the metrics, and the stage the run starts in."""
