@@ -43,11 +43,17 @@ def check_compiler(device_type: str) -> None:
             if not has_triton():
                 raise RuntimeError("no usable Triton for this GPU (not installed, or the GPU too old for it)")
     except Exception as e:  # noqa: BLE001 - whatever the compiler stack raises, the fix is the setting
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ConfigError(f"train.compile: torch.compile (inductor) cannot build kernels on {device_type} "
-                          f"({type(e).__name__}: {first[:300]}); on a CPU it needs a C++ compiler (g++, or the "
-                          f"one the CXX variable names), on a GPU Triton. Set --train.compile=false (the same "
-                          f"training, eager), or install what the compiler needs.") from e
+        raise compile_failure(f"train.compile: torch.compile (inductor) cannot build kernels on {device_type}", e,
+                              "on a CPU it needs a C++ compiler (g++, or the one the CXX variable names), on a GPU "
+                              "Triton. Set --train.compile=false (the same training, eager), or install what the "
+                              "compiler needs.") from e
+
+
+def compile_failure(what: str, e: Exception, fix: str) -> ConfigError:
+    """The error of a compiler stack that failed: `what` could not be compiled, the first line of torch's reason,
+    and `fix` (the setting that runs it eagerly)."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return ConfigError(f"{what} ({type(e).__name__}: {first[:300]}); {fix}")
 
 
 def compile_token_wise_parts(layers: nn.ModuleList) -> None:

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ...errors import ConfigError
 from ...job.comm import all_gather_into, all_to_all, reduce_scatter_into
+from ...models.compile import compile_failure
 
 try:  # FSDP2's communication hooks (torch >= 2.8)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -99,11 +99,9 @@ def warm_up(device: torch.device, dtype: torch.dtype, block: int) -> None:
             _kernel("dequantize_sum", True)(rows, row_scales)
             _kernel("quantize", True)(_whole_blocks(out.float(), block))  # a node's rows (3-D blocks)
     except Exception as e:  # noqa: BLE001 - whatever the compiler stack raises, the fix is the setting
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ConfigError(f"parallel.zero_pp_kernels: torch.compile could not build ZeRO++'s int8 kernels on "
-                          f"{device.type} ({type(e).__name__}: {first[:300]}). Set --parallel.zero_pp_kernels "
-                          f"eager (the same values, slower), or install what the compiler needs (a C++ compiler "
-                          f"for a CPU's inductor).") from e
+        raise compile_failure(f"parallel.zero_pp_kernels: torch.compile could not build ZeRO++'s int8 kernels on "
+                              f"{device.type}", e, "set --parallel.zero_pp_kernels eager (the same values, slower), "
+                              "or install what the compiler needs (a C++ compiler for a CPU's inductor).") from e
 
 
 def _whole_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
