@@ -315,7 +315,7 @@ class Trainer:
                 loop.eval_s += self._timed_evaluation(step, loop.result)
             signal_name = stop.agreed()  # every rank, every step: a CPU-side flag exchange
             if signal_name and step < t.steps:
-                stop_on_signal(self, step, signal_name, loop.unread, loop.result)
+                stop_on_signal(self, step, signal_name, loop.unread, loop.result, lambda: self._log_kept_steps(loop))
         return step
 
     def _launch_step(self, step: int, unread: list) -> float:
