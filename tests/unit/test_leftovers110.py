@@ -113,6 +113,16 @@ def test_a_resume_keeps_the_run_id_and_counts_its_attempts(tmp_path, monkeypatch
     assert evals and all(r["run_id"] == records[0]["run_id"] for r in evals)  # (eval records carry it too)
 
 
+def test_a_run_forked_from_another_directorys_checkpoint_has_its_own_id(tmp_path, monkeypatch):
+    _faults(monkeypatch, "nonfinite", [])
+    _trainer(tmp_path / "a", "--train.steps=2", "--checkpoint.interval=2").run()
+    step2 = tmp_path / "a" / "checkpoints" / "step-00000002"
+    _trainer(tmp_path / "b", "--train.steps=4", f"--checkpoint.resume={step2}").run()
+    parent, fork = _train_records(tmp_path / "a"), _train_records(tmp_path / "b")
+    assert [r["step"] for r in fork] == [3, 4]
+    assert fork[0]["run_id"] != parent[0]["run_id"]  # (was the parent's: one run to the report)
+
+
 def _all_records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 

@@ -3,8 +3,9 @@
 Two runs given one metrics.file (other run directories: only the directories are locked) wrote records that no field
 told apart, so `longctx report` drew their steps interleaved as one curve. `run_id` is a random id made when a run
 starts from step 0 and saved with its checkpoints (trainer_state.json "run"), so a resume keeps it: a run's
-attempts are one run. `run_attempt` counts them (0: the start, N: the N-th resume), which says which attempt wrote a
-record. A resume of a checkpoint saved before the id was gets a new one (its earlier records, without an id, are
+attempts are one run (a checkpoint of another run directory, loaded to fork it, starts a run with its own id).
+`run_attempt` is 0 at the start and the resumed checkpoint's attempt + 1 after (two resumes of one checkpoint share a
+number; the resume moves the abandoned attempt's records aside). A resume of a checkpoint saved before the id was gets a new one (its earlier records, without an id, are
 read as that run's: report.py)."""
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ def keep_run_identity(trainer) -> None:
     and save them with each checkpoint."""
     ckpt = trainer.ckpt
     saved = ((ckpt.resumed_state or {}).get(STATE) if ckpt is not None else None) or {}
+    if saved.get("id") and ckpt.parent is None:  # (loaded from another run's directory: a fork, a run of its own)
+        saved = {}
     if saved.get("id"):
         trainer.run_id, trainer.run_attempt = str(saved["id"]), int(saved.get("attempt", 0)) + 1
     else:  # (rank 0's, so every rank writes the same one into its share of the checkpoint)
