@@ -5,8 +5,8 @@ told apart, so `longctx report` drew their steps interleaved as one curve. `run_
 starts from step 0 and saved with its checkpoints (trainer_state.json "run"), so a resume keeps it: a run's
 attempts are one run (a checkpoint of another run directory, loaded to fork it, starts a run with its own id).
 `run_attempt` is 0 at the start and the resumed checkpoint's attempt + 1 after (two resumes of one checkpoint share a
-number; the resume moves the abandoned attempt's records aside). A resume of a checkpoint saved before the id was gets a new one (its earlier records, without an id, are
-read as that run's: report.py)."""
+number; the resume moves the abandoned attempt's records aside). A resume of a checkpoint saved before the id was
+gets a new one (its earlier records, without an id, are read as that run's: report.py)."""
 
 from __future__ import annotations
 
