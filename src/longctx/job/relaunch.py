@@ -219,6 +219,7 @@ def _ranks_of(error_dir: str) -> list[int]:
 def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: Path,
               forwarded: _Forwarded | None = None) -> None:
     forwarded = forwarded or _Forwarded()
+    command = argv[0] if argv else "train"  # (the longctx command the ranks run: the signal messages name it)
     args = get_args_parser().parse_args([
         "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0",
         f"--monitor-interval={monitor_interval}", "-m", "longctx", *argv,
@@ -248,7 +249,7 @@ def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: P
             return
         # the shell's code of a process a signal ended (130 for Ctrl-C, 143 for SIGTERM), as one process exits:
         # a script tells an interrupted run from a failed one (it exited 1, a failure's code)
-        raise RankError(_stopped_by(signal.Signals(e.sigval).name, argv[0] if argv else ""),
+        raise RankError(_stopped_by(signal.Signals(e.sigval).name, command),
                         128 + int(e.sigval)) from None
     except ChildFailedError as e:
         hang = watchdog.hang_report(error_dir, nproc)
@@ -262,7 +263,7 @@ def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: P
             lines = [f"{_ranks_label(ranks, nproc)}: {message}" for message, (ranks, _) in errors.items()]
             raise RankError("\n".join(lines), next(iter(errors.values()))[1]) from None
         raise _first_failure(e.failures, nproc, forwarded.passed, _crash_times(error_dir),
-                             argv[0] if argv else "") from None
+                             command) from None
     finally:
         elastic.setLevel(level)
         workers.removeFilter(_no_failed_worker_line)
