@@ -1,7 +1,7 @@
-"""A signal whose stop reads back a bad step (train.on_nonfinite = rollback) rolls back inside stop_on_signal; the
-steps the rollback kept that no metrics line covered yet (between the last line and the checkpoint it went back
-to) were then in no record's loss_mean, as the loop's own rollback left them before _log_kept_steps: the stop now
-writes their line too (review110)."""
+"""A stop on a signal writes a line for the steps no metrics line covered yet (review110): after a rollback its
+read-back found (train.on_nonfinite = rollback), the kept steps up to the checkpoint it went back to; without one,
+the steps since the last line up to the step it saves. Both were in no record's loss_mean (trainer.py
+_log_uncovered)."""
 
 import json
 import os
@@ -48,3 +48,28 @@ def test_a_stop_that_rolls_back_logs_the_kept_steps_no_line_covered(tmp_path, mo
             log=lambda *a, **k: None).run()
     assert [(r["step"], r["interval_steps"]) for r in _train_records(tmp_path)] == \
         [(1, 1), (4, 3), (6, 2), (8, 1), (10, 2)]
+
+
+def test_a_plain_stop_logs_the_steps_since_the_last_line(tmp_path):
+    # SIGTERM in step 7, no bad step: steps 5-7 trained and saved (step 7 on the signal), the last line at step 4;
+    # they were in no line (with log_interval 100 a preemption could drop 99 steps from the loss curve)
+    trainer = Trainer(load_config(None, [*ARGS, f"--train.run_dir={tmp_path}"]), log=lambda *a, **k: None)
+    step = trainer.step
+
+    def stepping(s):
+        out = step(s)
+        if s == 7:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    trainer.step = stepping
+    with pytest.raises(Preempted, match="saved step 7 on SIGTERM"):
+        trainer.run()
+    records = _train_records(tmp_path)
+    assert [(r["step"], r["interval_steps"]) for r in records] == [(1, 1), (4, 3), (7, 3)]
+    assert records[-1]["loss_mean"] > 0 and records[-1]["loss"] > 0
+    Trainer(load_config(None, [*ARGS, f"--train.run_dir={tmp_path}", "--checkpoint.resume=auto"]),
+            log=lambda *a, **k: None).run()
+    assert [(r["step"], r["interval_steps"]) for r in _train_records(tmp_path)] == \
+        [(1, 1), (4, 3), (7, 3), (8, 1), (10, 2)]
+

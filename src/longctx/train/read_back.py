@@ -76,16 +76,19 @@ def roll_back_trainer(trainer, bad: BadStep, result) -> int:
     return bad.step
 
 
-def stop_on_signal(trainer, step: int, name: str, unread: list, result, rolled_back=lambda: None) -> None:
-    """Save `step` (unless the interval just did), wait for every save in flight, and stop. `rolled_back`: called
-    after a rollback here (the kept steps' line, as the loop's own rollback writes it)."""
+def stop_on_signal(trainer, step: int, name: str, unread: list, result, log_uncovered=lambda step: None) -> None:
+    """Save `step` (unless the interval just did), wait for every save in flight, and stop. `log_uncovered(at)`:
+    the steps through `at` that no metrics line covers yet logged (the trainer's _log_uncovered): `step`, or after a
+    rollback here the checkpoint's it went back to (the steps after it were discarded)."""
     saved = trainer.saves.saved(step)
+    trained_through = step
     if unread:
         try:
             read_back(trainer, unread, result)  # (no checkpoint holds a non-finite step)
         except BadStep as bad:  # rolled back: the state to save is the one the run goes on from
             step, saved = roll_back_trainer(trainer, bad, result), False
-            rolled_back()
+            trained_through = int(trainer.ckpt.resumed_from[1]["step"])
+    log_uncovered(trained_through)
     watchdog.phase(step, "save")
     # (committed when it returns)
     trainer.saves.save_for_stop(step, saved, trainer.model, trainer.optimizer, trainer.sampler)

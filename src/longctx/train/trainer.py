@@ -301,7 +301,7 @@ class Trainer:
                 except BadStep as bad:  # train.on_nonfinite = rollback
                     # a new interval, as the router figures' (hooks.rolled_back): no rolled-back loss in a mean
                     read_at, step = step, roll_back_trainer(self, bad, loop.result)
-                    self._log_kept_steps(loop)
+                    self._log_uncovered(loop, int(self.ckpt.resumed_from[1]["step"]))  # (the kept steps)
                     loop.mean_from = len(loop.result.losses)
                     loop.beat.update(step - (read_at - 1))  # (the steps after the bad one run again: counted once)
                     continue
@@ -315,7 +315,8 @@ class Trainer:
                 loop.eval_s += self._timed_evaluation(step, loop.result)
             signal_name = stop.agreed()  # every rank, every step: a CPU-side flag exchange
             if signal_name and step < t.steps:
-                stop_on_signal(self, step, signal_name, loop.unread, loop.result, lambda: self._log_kept_steps(loop))
+                stop_on_signal(self, step, signal_name, loop.unread, loop.result,
+                               lambda at: self._log_uncovered(loop, at))
         return step
 
     def _launch_step(self, step: int, unread: list) -> float:
@@ -328,25 +329,24 @@ class Trainer:
         self.metrics.stepped(stage.global_batch * stage.seq_len)
         return lr
 
-    def _log_kept_steps(self, loop: _Loop) -> None:
-        """After a rollback: the steps it kept (in the checkpoint it went back to) that no metrics line covers yet,
-        logged as a line of the checkpoint's step (no router figures: the hooks' were of the discarded steps too).
-        A loss curve that left them out lost trained steps without a word; the steps after them, run and then
-        discarded, stay in no mean (the next interval starts after the bad step)."""
-        back_to = int(self.ckpt.resumed_from[1]["step"])
-        end = back_to - loop.result.first_step + 1  # (the kept steps' losses: the bad step's and before are kept)
-        if end <= loop.mean_from:  # (a line covered them, or the checkpoint is where this job began)
+    def _log_uncovered(self, loop: _Loop, step: int) -> None:
+        """The steps through `step` that no metrics line covers yet, as a line of `step` (no hook figures: after a
+        rollback the hooks' were of the discarded steps too): a rollback's kept steps (`step`: the checkpoint it went
+        back to; the steps after, run and discarded, stay in no mean), or a stop's since the last line (`step`: the
+        one it saves). A loss curve that left them out lost trained steps without a word."""
+        end = step - loop.result.first_step + 1  # (their losses: a rollback's trimmed to the checkpoint's step)
+        if end <= loop.mean_from:  # (a line covered them, or the step is where this job began)
             return
         figures = loop.result
-        self._log_step(back_to, figures.losses[end - 1], figures.grad_norms[end - 1], lr_at(back_to - 1, self.cfg),
-                       loop, end=end)
+        self._log_step(step, figures.losses[end - 1], figures.grad_norms[end - 1], lr_at(step - 1, self.cfg), loop,
+                       end=end)
 
     def _log_step(self, step: int, loss: float, grad_norm: float, lr: float, loop: _Loop,
                   end: int | None = None) -> None:
         """`step`'s metrics line (metrics.py), with where the run is: tokens, stage, skips, the hooks' fields,
         and the mean loss of the interval's steps (every step's loss is read back anyway; a skipped
         step's left out: non-finite, or a spike whose update was not applied), which loss.png draws. `end`: the
-        interval ends there in the losses (a rollback's kept steps: _log_kept_steps), not at the newest."""
+        interval ends there in the losses (steps no line covered: _log_uncovered), not at the newest."""
         losses = loop.result.losses
         whole = end is None
         end = len(losses) if whole else end
