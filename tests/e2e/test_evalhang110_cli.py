@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from live_processes import processes_naming
+
 ENDS_WITHIN_S = 90  # (after rank 0 is stopped: a few seconds on a 2-core CPU; before the fix it never ended)
 STARTS_WITHIN_S = 240  # (until the first length's line: imports, the model loaded on both ranks)
 
@@ -38,18 +40,6 @@ def _rank_pid(marker: str, rank: int) -> int | None:
         if marker in args and f"RANK={rank}".encode() in env and b"LOCAL_WORLD_SIZE=2" in env:
             return int(cmdline.parent.name)
     return None
-
-
-def _processes_naming(text: str) -> list[str]:
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in args and str(os.getpid()) != cmdline.parent.name:
-            found.append(args)
-    return found
 
 
 @pytest.mark.parametrize("mode", ["generate", "score"])
@@ -108,5 +98,5 @@ def test_two_ranks_whose_rank_0_alone_stops_end_at_once(tmp_path, mode):
     kept = json.loads((tmp_path / "out.incomplete.json").read_text())
     assert 128 in kept["incomplete"]["lengths_done"] and 256 in kept["incomplete"]["lengths_not_run"], kept
     assert not out.exists()
-    assert not _processes_naming(str(model)), _processes_naming(str(model))
+    assert not processes_naming(str(model)), processes_naming(str(model))
     print(f"{mode}: ended {seconds:.1f} s after rank 0's SIGTERM, exit {code}; stderr:\n{err}")

@@ -26,20 +26,9 @@ from pathlib import Path
 
 import pytest
 
+from live_processes import processes_naming
+
 ENDS_WITHIN_S = 60  # (the run itself: about 10 s on a 2-core CPU; before the fix it never ended)
-
-
-def _processes_naming(text: str) -> list[str]:
-    """The command lines of live processes that hold `text` (this test's model directory: its launcher and ranks)."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in args and str(os.getpid()) != cmdline.parent.name:
-            found.append(args)
-    return found
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
@@ -91,7 +80,7 @@ def test_two_ranks_whose_reader_closes_end_at_once_as_one_process_does(tmp_path,
     assert flat.count("was closed by its reader") == 1 and flat.count("error:") == 1, err
     assert "Traceback" not in err and "exitcode" not in err and "[rank" not in err, err
     # (no rank left behind: the launcher's children, which name the model directory)
-    assert not _processes_naming(str(model)), _processes_naming(str(model))
+    assert not processes_naming(str(model)), processes_naming(str(model))
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("pipe")) == (["pipe"] * (reader == "fifo"))
     print(f"{reader}: ended in {seconds:.1f} s, exit {code}")
 

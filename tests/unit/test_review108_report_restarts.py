@@ -4,7 +4,8 @@ tens of kilobytes for a run of a few thousand steps. It names the first few and 
 
 from pathlib import Path
 
-from longctx.train.report import RESTARTS_NAMED, _continued
+from longctx.train.metric_runs import RESTARTS_NAMED
+from longctx.train.metric_runs import continued as _continued
 
 
 def test_the_restart_note_stays_short_when_two_runs_interleave():

@@ -23,11 +23,9 @@ def _train_records(run_dir) -> list[dict]:
     return [r for r in map(json.loads, lines) if r.get("kind", "train") == "train"]
 
 
-def test_a_stop_that_rolls_back_logs_the_kept_steps_no_line_covered(tmp_path, monkeypatch):
-    # step 7 bad and SIGTERM in step 7 (neither a log nor a save step: its figures are read by the stop): back to
-    # step 6's checkpoint; steps 5-6 were trained and kept, the last line (step 4) covered 2-4
-    monkeypatch.setenv("LONGCTX_FAULT", "nonfinite@7")
-    trainer = Trainer(load_config(None, [*ARGS, f"--train.run_dir={tmp_path}"]), log=lambda *a, **k: None)
+def _stopped_in_step_7(run_dir) -> Trainer:
+    """A run whose step 7 ends with SIGTERM to this process (the stop reads the step's figures back and saves)."""
+    trainer = Trainer(load_config(None, [*ARGS, f"--train.run_dir={run_dir}"]), log=lambda *a, **k: None)
     step = trainer.step
 
     def stepping(s):
@@ -39,6 +37,14 @@ def test_a_stop_that_rolls_back_logs_the_kept_steps_no_line_covered(tmp_path, mo
     trainer.step = stepping
     with pytest.raises(Preempted, match="saved step 7 on SIGTERM"):
         trainer.run()
+    return trainer
+
+
+def test_a_stop_that_rolls_back_logs_the_kept_steps_no_line_covered(tmp_path, monkeypatch):
+    # step 7 bad and SIGTERM in step 7 (neither a log nor a save step: its figures are read by the stop): back to
+    # step 6's checkpoint; steps 5-6 were trained and kept, the last line (step 4) covered 2-4
+    monkeypatch.setenv("LONGCTX_FAULT", "nonfinite@7")
+    trainer = _stopped_in_step_7(tmp_path)
     assert trainer.rollbacks == 1
     records = _train_records(tmp_path)
     assert [(r["step"], r["interval_steps"]) for r in records] == [(1, 1), (4, 3), (6, 2)]
@@ -53,18 +59,7 @@ def test_a_stop_that_rolls_back_logs_the_kept_steps_no_line_covered(tmp_path, mo
 def test_a_plain_stop_logs_the_steps_since_the_last_line(tmp_path):
     # SIGTERM in step 7, no bad step: steps 5-7 trained and saved (step 7 on the signal), the last line at step 4;
     # they were in no line (with log_interval 100 a preemption could drop 99 steps from the loss curve)
-    trainer = Trainer(load_config(None, [*ARGS, f"--train.run_dir={tmp_path}"]), log=lambda *a, **k: None)
-    step = trainer.step
-
-    def stepping(s):
-        out = step(s)
-        if s == 7:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return out
-
-    trainer.step = stepping
-    with pytest.raises(Preempted, match="saved step 7 on SIGTERM"):
-        trainer.run()
+    _stopped_in_step_7(tmp_path)
     records = _train_records(tmp_path)
     assert [(r["step"], r["interval_steps"]) for r in records] == [(1, 1), (4, 3), (7, 3)]
     assert records[-1]["loss_mean"] > 0 and records[-1]["loss"] > 0

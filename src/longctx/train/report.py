@@ -11,8 +11,7 @@ from pathlib import Path
 from ..config.checkpoint_paths import manifest_or_empty, step_name
 from ..errors import UserError
 from ..strict_json import number
-from .metric_runs import RESTARTS_NAMED, split_runs  # noqa: F401 (RESTARTS_NAMED: read here by tests)
-from .metric_runs import continued as _continued
+from .metric_runs import continued, split_runs
 from .metrics import read_jsonl
 from .stage_marks import mark_stages, stage_starts
 
@@ -58,7 +57,7 @@ def _run_records(run_dir: Path, metrics_path: str | Path | None, say) -> list[tu
             f"{'are' if len(cut) > 1 else 'is'} no JSON record (a write cut short); left out of the plots")
     runs = []
     for run_id, ours in split_runs(records):
-        ours = _continued(ours, metrics_path, say)
+        ours = continued(ours, metrics_path, say)
         # (each step once, in step order: a resumed attempt's evaluations may come before its first training record)
         train = _last_per_step(r for r in ours if r.get("kind", "train") == "train")
         if train:
