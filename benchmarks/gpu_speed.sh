@@ -8,7 +8,8 @@
 # docs/results/gpu_speed_<step>_<card>_<date>.json for the commit. The summary always prints.
 # DEVICE=cpu is a glue check of the budget: nothing runs, each step prints its limit and command:
 #   DEVICE=cpu BUDGET_S=100 DRY_STEP_S=30 bash benchmarks/gpu_speed.sh
-#   1. training speed against a peer: llama3-1b at 8K and 32K, longctx train (and at 8K with train.compile)
+#   1. training speed against a peer: llama3-1b at 8K and 32K, longctx train (and at 8K with train.compile,
+#      its recompiles after step 1 counted: the watch and the Triton compiler check first run on a card)
 #      vs transformers (SDPA, gradient checkpointing) on the same card (benchmarks/peer_train.py; transformers
 #      must be importable: carry its wheel in the working tree if the machine lacks it);
 #   2. the MoE layer vs the dense one of equal active parameters, eager and torch.compile'd
@@ -135,6 +136,9 @@ for name in ("peer", "moe", "decode", "peer_decode", "zero_pp_kernels"):
             print("peer", r["seq_len"], {k: r[k].get("tokens_per_s") for k in ("longctx", "longctx_compiled",
                                                                           "longctx_planned", "transformers") if k in r},
                   r.get("speedup"), r.get("speedup_compiled"), r.get("speedup_planned"))
+            if "longctx_compiled" in r:  # (0 and 0 if the compiled blocks kept their graphs after step 1)
+                c = r["longctx_compiled"]
+                print("  compiled: recompiles", c.get("compile_recompiles"), "limit hits", c.get("compile_limit_hits"))
     elif name == "zero_pp_kernels":
         print("zero_pp kernels GB/s", {k: (round(r["quantize_gbps"], 1), round(r["dequantize_gbps"], 1),
                                            r["identical_to_eager"]) for k, r in d["kernels"].items()})

@@ -85,6 +85,10 @@ def ours(preset: str, seq: int, steps: int, device: str, profile: bool = False, 
         out["profile"] = short_profile(json.loads(table.read_text()))
     if memory is not FULL:
         out["memory_settings"] = " ".join(memory)
+    if compiled:  # (the recompile watch on a card: each line's count after the first step's warm-up, 0 if all is well)
+        train = [x for x in lines if x.get("kind") == "train"]
+        out["compile_recompiles"] = sum(x.get("compile_recompiles", 0) for x in train)
+        out["compile_limit_hits"] = max((x.get("compile_limit_hits", 0) for x in train), default=0)
     return out
 
 
