@@ -387,12 +387,19 @@ def main(argv=None) -> int:
         print("\n".join(textwrap.fill(line, width=100, break_on_hyphens=False, break_long_words=False)
                         for line in text.splitlines()), file=sys.stderr)
         return e.exit_code
-    except Exception:
-        from .job.relaunch import another_rank_reported, note_crash
+    except Exception as e:
+        from .job.lost_peer import lost_a_peer
+        from .job.relaunch import another_rank_reported, note_crash, note_lost_peer
 
         if another_rank_reported():  # the launcher prints the error that stopped the job; this is its echo
             sys.stdout.flush()
             os._exit(1)  # at once: an interpreter teardown beside half-closed process groups can abort loudly
+        if lost_a_peer(e) and note_lost_peer(e):  # a peer went away (a signal to it alone): the launcher names it
+            print(f"[rank {os.environ.get('RANK')}] longctx {args.command}: lost a peer mid-collective "
+                  f"({' '.join(str(e).split())[:300]}); the launcher says which rank ended first, and how.",
+                  file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)  # (as the echo above)
         note_crash()  # (the launcher names the rank whose error came first: its traceback, printed next)
         raise
     except KeyboardInterrupt:

@@ -1,7 +1,8 @@
 """Relaunching a command on N local ranks (`--nproc N`) through torchrun, and what the launcher says
 when the job ends badly: each rank hands its error over (a file per rank), and the launcher prints each
 distinct message once with the ranks that hit it, a watchdog's hang report, a preemption once (exit 75),
-or, when no rank reported, the rank that failed first and how.
+or, when no rank reported, the rank that failed first and how (a rank stopped by a signal sent to it alone, not
+its peers that lost it: lost_peer.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .. import threads
 from ..errors import REQUEUE_EXIT_CODE, Preempted, UserError
 from . import watchdog
 from .launch import ERROR_DIR_ENV
+from .lost_peer import outside_stop_message, stop_signal, stopped_from_outside, torchrun_signals
 
 
 def _write_for_launcher(name: str, text: str) -> bool:
@@ -67,6 +69,14 @@ def note_crash() -> None:
     _write_for_launcher("crash{}.json", json.dumps({"time": time.time()}))
 
 
+def note_lost_peer(error: BaseException) -> bool:
+    """Under `longctx train --nproc N`, when this rank failed because its process group lost a peer
+    (lost_peer.lost_a_peer): the moment and the error's line, for the launcher, which names the rank that went away
+    (_first_failure), not this echo of its loss. False where this process was not started that way."""
+    line = " ".join(f"{type(error).__name__}: {error}".split())
+    return _write_for_launcher("lostpeer{}.json", json.dumps({"time": time.time(), "error": line}))
+
+
 def note_finished() -> None:
     """Under `longctx train --nproc N`, once this rank's run has ended well (its steps trained, its saves committed):
     a signal that reaches the launcher after every rank did is no stop (_relaunch), though torchrun's agent raises
@@ -78,12 +88,12 @@ def _all_finished(folder: Path, nproc: int) -> bool:
     return all((folder / f"finished{rank}").exists() for rank in range(nproc))
 
 
-def _crash_times(folder: Path) -> dict[int, float]:
-    """{rank: when it noted its crash} (note_crash)."""
+def _noted_times(folder: Path, kind: str = "crash") -> dict[int, float]:
+    """{rank: when it noted its crash} (note_crash; kind "lostpeer": its lost peer, note_lost_peer)."""
     found = {}
-    for f in folder.glob("crash*.json"):
+    for f in folder.glob(f"{kind}*.json"):
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            found[int(f.stem[5:])] = float(json.loads(f.read_text())["time"])
+            found[int(f.stem[len(kind):])] = float(json.loads(f.read_text())["time"])
     return found
 
 
@@ -235,7 +245,7 @@ def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: P
     try:
         forwarded.running = True
         try:
-            with _torchruns_handlers_let_go():
+            with _torchruns_handlers_let_go(), torchrun_signals(workers) as torchrun_stopped:
                 run(args)
         finally:
             forwarded.running = False
@@ -262,8 +272,8 @@ def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: P
         if errors:
             lines = [f"{_ranks_label(ranks, nproc)}: {message}" for message, (ranks, _) in errors.items()]
             raise RankError("\n".join(lines), next(iter(errors.values()))[1]) from None
-        raise _first_failure(e.failures, nproc, forwarded.passed, _crash_times(error_dir),
-                             command) from None
+        raise _first_failure(e.failures, nproc, forwarded.passed, _noted_times(error_dir), command,
+                             lost=_noted_times(error_dir, "lostpeer"), torchrun_stopped=torchrun_stopped) from None
     finally:
         elastic.setLevel(level)
         workers.removeFilter(_no_failed_worker_line)
@@ -298,27 +308,35 @@ def _stopped_by(signame: str, command: str) -> str:
 
 
 def _first_failure(failures: dict, nproc: int, passed=(), crashed: dict[int, float] | None = None,
-                   command: str = "train") -> UserError:
+                   command: str = "train", lost: dict[int, float] | None = None,
+                   torchrun_stopped=frozenset()) -> UserError:
     """The error to raise when no rank reported one of its own: which rank failed first and how, from
     `failures` (torchrun's ChildFailedError.failures, {rank: ProcessFailure}); `passed`: the signals the
     launcher passed on to the ranks (_forwarding); `crashed`: when ranks noted their own errors (note_crash);
-    `command`: the job's (train's ranks save on a signal, generate's and eval's act on none)."""
+    `command`: the job's (train's ranks save on a signal, generate's and eval's act on none); `lost`: when ranks
+    noted a lost peer (note_lost_peer); `torchrun_stopped`: the PIDs torchrun signalled to stop the job."""
     # The root cause: the rank torchrun saw end first. Its timestamps are whole seconds of one pass over the
     # ranks, and a rank it saw later ended later: one that outlived torchrun's SIGTERM (a rank records the signal
     # and goes on to its step boundary) is SIGKILLed by torchrun 30 s on, which is no out-of-memory killer's.
     # Within a second: a rank killed by a signal from outside (SIGKILL, OOM killer, segfault) before a rank
     # that exited with an error (the one that noted its error first, before one that did not), before a rank
-    # the launcher itself stopped with SIGTERM.
-    crashed = crashed or {}
-
-    # (a rank that exits 128 + SIGTERM / SIGINT stopped on that signal itself, as `longctx eval` does to keep its
-    # finished lengths (eval/stopped.py): torchrun's own signal, as one the signal's default action ended)
-    stopped = {-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT}
+    # stopped by a SIGTERM or SIGINT no one in the job sent (lost_peer.py: a `kill` of that rank alone, when no
+    # rank noted an error of its own), before a rank that exited on losing a peer, before a rank the launcher or
+    # torchrun itself stopped with a signal.
+    crashed, lost = crashed or {}, lost or {}
+    outside = set() if crashed else stopped_from_outside(failures, passed, torchrun_stopped)
 
     def cause(r):
         code = failures[r].exitcode or 0
-        kind = 2 if code in stopped or code == 0 else (0 if code < 0 else 1)
-        return failures[r].timestamp, kind, crashed.get(r, math.inf), r
+        if r in outside:
+            kind = 2
+        elif code == 0 or stop_signal(code) is not None:
+            kind = 4
+        elif code < 0:
+            kind = 0
+        else:
+            kind = 3 if r in lost else 1
+        return failures[r].timestamp, kind, crashed.get(r, lost.get(r, math.inf)), r
 
     first_rank = min(failures, key=cause)
     failure = failures[first_rank]
@@ -329,23 +347,34 @@ def _first_failure(failures: dict, nproc: int, passed=(), crashed: dict[int, flo
         except ValueError:
             pass
     others = sorted(set(failures) - {first_rank})
+    if first_rank in outside:
+        sig = stop_signal(failure.exitcode)
+        said = outside_stop_message(first_rank, nproc, sig, failure.exitcode, sorted(set(lost) & set(others)),
+                                    others, command)
+        return RankError(said, 128 + int(sig))
     signalled = failure.exitcode is not None and -failure.exitcode in passed  # (the launcher's signal, not a crash)
+    message = (f"rank {first_rank} of {nproc} failed first ({what}); the job was stopped"
+               + (f" (ranks {', '.join(map(str, others))} failed after it)" if others else "") + "."
+               + _failed_first_hint(failure.exitcode, what, signalled, command))
+    # (stopped by a signal: the shell's code of a process it ended, 128 + its number, as a signal torchrun catches)
+    return RankError(message, 128 - failure.exitcode) if signalled else UserError(message)
+
+
+def _failed_first_hint(exitcode: int | None, what: str, signalled: bool, command: str) -> str:
+    """What _first_failure adds about the first failure's cause (`what`: how it ended, said)."""
     if signalled and command != "train":
         hint = (f" The launcher got {what[len('killed by '):]} and passed it on to the ranks, which ended by it "
                 f"(`longctx {command}` does not act on it).")
     elif signalled:
         hint = (f" The launcher got {what[len('killed by '):]} and passed it on to the ranks, which do not stop on "
                 f"it: a training run that saves checkpoints saves and stops on checkpoint.on_signal's signals.")
-    elif failure.exitcode == -signal.SIGKILL:
+    elif exitcode == -signal.SIGKILL:
         hint = (" Nothing else stops a process without a word: most often it is the out-of-memory killer "
                 "(see `dmesg`); the rank needed more memory than the machine had. Lower train.seq_len, "
                 "use more ranks, or a memory policy (longctx plan picks one).")
     else:
         hint = " See that rank's output above for its error."
-    message = (f"rank {first_rank} of {nproc} failed first ({what}); the job was stopped"
-               + (f" (ranks {', '.join(map(str, others))} failed after it)" if others else "") + "." + hint)
-    # (stopped by a signal: the shell's code of a process it ended, 128 + its number, as a signal torchrun catches)
-    return RankError(message, 128 - failure.exitcode) if signalled else UserError(message)
+    return hint
 
 
 def _raise_preempted(errors: dict[str, tuple[list[int], int]], nproc: int) -> None:
