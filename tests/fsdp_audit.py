@@ -1,5 +1,5 @@
 """Shared worker of the FSDP audit tests: a few optimizer steps of a tiny model through the training path
-(planner/validate.py _setup / train_step: build_model -> parallelize -> make_optimizer, micro-batches cut
+(planner/validate_ranks.py setup_case / train_step: build_model -> parallelize -> make_optimizer, micro-batches cut
 as the loop cuts them), returning the global loss of every step, the final full weights, the number of
 FSDP collectives per step and each rank's peak of parameter bytes it holds."""
 
@@ -54,7 +54,7 @@ def config(preset="debug", layers=2, seq_len=64, global_batch=4, grad_accum=1, *
 
 
 def _local_loss(cfg, rt, model, batch):
-    from longctx.planner.validate import micro_batches
+    from longctx.planner.validate_ranks import micro_batches
     from longctx.step.loss import forward_loss_sum
     with torch.no_grad():
         return sum(float(forward_loss_sum(model, m, None)) for m in micro_batches(cfg, rt, batch))
@@ -112,8 +112,8 @@ def run(raw: dict, steps: int = 4, freeze: tuple = ()) -> dict:
     """Train `steps` steps; rank 0's result: losses (global mean per step, before each update), the final
     full weights, collectives per step (the last step's), reduce-scatter input dtypes, optimizer-state
     parameter names, the peak parameter bytes this rank holds (max over ranks) and its sharded bytes."""
-    from longctx.planner.validate import _setup, train_step
-    cfg, rt, model, opt, batch, scale = _setup(raw)
+    from longctx.planner.validate_ranks import setup_case, train_step
+    cfg, rt, model, opt, batch, scale = setup_case(raw)
     if freeze:  # requires_grad False after the optimizer exists would differ: rebuild its groups
         from longctx.step.optimizer import make_optimizer
         for name, p in model.named_parameters():

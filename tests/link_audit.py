@@ -139,16 +139,16 @@ def layout_config(preset: str, seq_len: int, *, rep: int = 1, shard: int = 1, he
 
 
 def layout_traffic(raws: list[dict]) -> list[dict]:
-    """Per layout, what this rank sent in its second optimizer step (planner/validate.py's step: every
+    """Per layout, what this rank sent in its second optimizer step (planner/validate_ranks.py's step: every
     micro-batch's forward and backward, AdamW), as RawLinks counts it, beside job/comm.py's counters and
     job/traffic.py's library_traffic (the counters the training loop and the planner's validation read)."""
     from longctx.job import comm
     from longctx.job.traffic import library_traffic
-    from longctx.planner.validate import _setup, train_step
+    from longctx.planner.validate_ranks import setup_case, train_step
 
     out = []
     for raw in raws:
-        job = _setup(raw)
+        job = setup_case(raw)
         train_step(*job)  # warm-up: FSDP's lazy set-up, the optimizer's state
         links = RawLinks(ranks_per_node=1)
         comm.reset_counters()

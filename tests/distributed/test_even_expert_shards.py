@@ -37,9 +37,9 @@ def _raw():
 def _placements_and_states(raw):
     from torch.distributed.tensor import DTensor
 
-    from longctx.planner.validate import _setup, measured_model_state_bytes, train_step
+    from longctx.planner.validate_ranks import measured_model_state_bytes, setup_case, train_step
 
-    job = _setup(raw)
+    job = setup_case(raw)
     train_step(*job)  # the optimizer's moments exist after a step
     train_step(*job, zero_grad=False)  # and the gradients after a second one (the first's are freed)
     model, opt = job[2], job[3]

@@ -40,9 +40,9 @@ def _raw():
 
 
 def _shard_dims_and_states(raw):
-    from longctx.planner.validate import _setup, measured_model_state_bytes, train_step
+    from longctx.planner.validate_ranks import measured_model_state_bytes, setup_case, train_step
 
-    job = _setup(raw)
+    job = setup_case(raw)
     train_step(*job)
     train_step(*job, zero_grad=False)  # (the gradients exist after a second step)
     model, opt = job[2], job[3]

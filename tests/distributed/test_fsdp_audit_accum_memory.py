@@ -125,12 +125,12 @@ def _bf16_policy_worker(raw):
     from torch.distributed.fsdp import FSDPModule
 
     import longctx.parallel.fsdp.shard as shard
-    from longctx.planner.validate import _setup, micro_batches
+    from longctx.planner.validate_ranks import micro_batches, setup_case
     from longctx.step.gradients import set_gradient_sync
     from longctx.step.loss import forward_loss_sum
 
     shard.gathers_in_bf16 = lambda device_type, dtype: True  # (this process only: a spawned rank)
-    cfg, rt, model, opt, batch, scale = _setup(raw)
+    cfg, rt, model, opt, batch, scale = setup_case(raw)
     first, second = micro_batches(cfg, rt, batch)
     set_gradient_sync(model, False)
     (forward_loss_sum(model, first, None) * scale).backward()

@@ -19,11 +19,11 @@ def _weights_reaching_the_model(raw):
 
     import longctx.parallel.fsdp.shard as shard
     from longctx.data.sequence_weights import weigh_sequences
-    from longctx.planner.validate import _setup, micro_batches
+    from longctx.planner.validate_ranks import micro_batches, setup_case
     from longctx.step.loss import forward_loss_sum
 
     shard.gathers_in_bf16 = lambda device_type, dtype: True  # the GPU's policy (this spawned rank only)
-    cfg, rt, model, opt, batch, scale = _setup(raw)
+    cfg, rt, model, opt, batch, scale = setup_case(raw)
     local = micro_batches(cfg, rt, batch)[0]  # (dp_shard 2: this rank's rows whole)
     weights, _ = weigh_sequences((local.labels != -100).numpy(), local.doc_ids.numpy())
     local.label_weights = torch.from_numpy(weights)

@@ -1,7 +1,7 @@
 """FSDP2 / HSDP (parallel/fsdp/shard.py) against one process on the same global batch, on gloo CPU.
 
-Each case trains a 2-layer debug model 4 steps through the training path (planner/validate.py _setup and
-train_step: parallelize -> make_optimizer, micro-batches cut as the loop cuts them) and is compared with a
+Each case trains a 2-layer debug model 4 steps through the training path (planner/validate_ranks.py setup_case
+and train_step: parallelize -> make_optimizer, micro-batches cut as the loop cuts them) and is compared with a
 one-process run of the same config: the global loss before every update, the reduced gradients of the
 first step (full tensors) with their global norm (step/gradients.py clip_gradients), and the final weights.
 

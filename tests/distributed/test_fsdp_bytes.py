@@ -52,11 +52,11 @@ CASES = [
 
 def _measure(raws):
     from longctx.job import comm
-    from longctx.planner.validate import _setup, measured_model_state_bytes, train_step
+    from longctx.planner.validate_ranks import measured_model_state_bytes, setup_case, train_step
 
     out = []
     for raw in raws:
-        job = _setup(raw)  # cfg, runtime, model, optimizer, global batch, loss scale
+        job = setup_case(raw)  # cfg, runtime, model, optimizer, global batch, loss scale
         train_step(*job)  # warm-up: FSDP's lazy init, optimizer state created
         with library_traffic() as traffic:
             train_step(*job, zero_grad=False)

@@ -203,7 +203,7 @@ def test_export_carries_the_moe_keys_transformers_reads(journeys, exports, name)
 @pytest.mark.parametrize("name", EXPORTED)
 def test_transformers_on_the_export_computes_the_checkpoint(journeys, exports, name):
     """transformers routes dropless; so do longctx's eval and generate (`dropless`, which a capacity's run notes)."""
-    from longctx.models.moe import dropless
+    from longctx.models.moe_eval_routing import dropless
 
     source, one, ep, *_ = journeys[name]
     model, single = _ours(ep / "b"), _ours(one / "checkpoints")

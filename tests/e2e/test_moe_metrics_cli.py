@@ -99,7 +99,7 @@ def test_dts_eval_routes_as_training_at_that_step(tmp_path):
     # its step-6 checkpoint, loaded as generate and eval --mode generate load it, routes as training did at step 6
     from longctx.config import load_config
     from longctx.generate.loading import load_model
-    from longctx.models.moe import eval_routing_note
+    from longctx.models.moe_eval_routing import eval_routing_note
 
     cfg = load_config(None, {"model": {"init_from": str(tmp_path / "dts" / "checkpoints")}})
     note = eval_routing_note(load_model(cfg, torch.device("cpu"), torch.float32))

@@ -17,7 +17,7 @@ from longctx.memory.apply_policy import apply_memory_policy
 from longctx.memory.measured import measure_activations
 from longctx.memory.policy import MemoryPolicy
 from longctx.models.llama import build_model
-from longctx.models.moe import Experts
+from longctx.models.moe_experts import Experts
 from probes import packed_batch
 
 SEQ, BATCH = 96, 2

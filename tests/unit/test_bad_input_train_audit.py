@@ -71,7 +71,7 @@ def test_a_one_block_model_with_the_default_skip_last_offloads_nothing():
 def test_moe_keys_on_a_dense_model_are_named_in_the_setup_notes(args, named):
     """A note, not an error: a MoE run's saved config.toml under a dense --model.preset keeps the keys it
     changed (test_config_audit.py), and that is allowed; but the run says they do nothing."""
-    from longctx.config.rules import moe_notes
+    from longctx.config.moe_rules import moe_notes
 
     [note] = moe_notes(load_config(overrides=args).model)
     assert f"{named} ignored: the model is dense (model.moe.experts = 0, model.preset debug)" in note

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from longctx.config.rules import parse_stages, parse_synthetic
+from longctx.config.data_rules import parse_synthetic
+from longctx.config.rules import parse_stages
 from longctx.data.samples import IGNORE
 from longctx.data.synthetic import SyntheticMixture, retrieval_prompt
 from longctx.data.tokenizer import ByteTokenizer

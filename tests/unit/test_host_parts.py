@@ -17,7 +17,8 @@ from longctx.config import MemoryConfig, load_config
 from longctx.costs.host_bytes import predicted_rank_bytes
 from longctx.costs.shape import MeshShape
 from longctx.memory import offload
-from longctx.memory.accounting import activation_dtype, compute_bytes, estimate_activations
+from longctx.memory.accounting import activation_dtype, estimate_activations
+from longctx.memory.block_parts import compute_bytes
 from longctx.memory.host_parts import core_parts, offloaded_block_parts, pinned_activation_bytes
 from longctx.memory.policy import MemoryPolicy
 from longctx.models.llama import build_model

@@ -15,7 +15,8 @@ from torch.utils._pytree import tree_leaves
 
 from live_storage import LiveStorages
 from longctx.config import load_config
-from longctx.memory.accounting import block_part_bytes, estimate_activations, loss_saved_bytes
+from longctx.memory.accounting import estimate_activations, loss_saved_bytes
+from longctx.memory.block_parts import block_part_bytes
 from longctx.memory.core_transients import attention_chunks, attention_widths, sparse_attention_backward_bytes
 from longctx.memory.moe_counts import moe_call_bytes, moe_ffn_bytes
 from longctx.memory.policy import MemoryPolicy

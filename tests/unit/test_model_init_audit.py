@@ -21,7 +21,8 @@ from longctx.job.spawn import run_spawned_many
 from longctx.models.clover import CloverDraft
 from longctx.models.glide import GlideDraft
 from longctx.models.llama import RMSNorm, build_model
-from longctx.models.moe import Experts, moe_layers
+from longctx.models.moe import moe_layers
+from longctx.models.moe_experts import Experts
 from longctx.step.optimizer import make_optimizer
 from longctx.train.glide import CloverTraining, FrozenHead, GlideTraining
 from longctx.train.model import build_llama_training

@@ -6,7 +6,7 @@ import pytest
 
 from longctx.cli import main
 from longctx.config import build_model_config, load_config, to_dict, to_toml
-from longctx.config.rules import _moe_rules
+from longctx.config.moe_rules import moe_rules
 from longctx.errors import ConfigError
 
 MOE = ["--model.preset=debug-moe"]
@@ -69,7 +69,7 @@ def _problems(args):
 
     values = parse_overrides([f"--model.{k}={v}" for k, v in values.items()])["model"]
     problems = []
-    _moe_rules(build_model_config(values), problems)
+    moe_rules(build_model_config(values), problems)
     return problems
 
 
@@ -153,7 +153,7 @@ def test_written_config_round_trips(args, tmp_path):
 def test_top1_with_renormalised_weights_is_said():
     """Top-1 with norm_topk: every weight is 1 (transformers' rule), so the router gets no gradient from the
     model's loss; the run says so once (not an error: an HF top-1 model is meant to train that way)."""
-    from longctx.config.rules import moe_notes
+    from longctx.config.moe_rules import moe_notes
 
     [note] = moe_notes(load_config(overrides=[*MOE, "--model.moe.top_k=1"]).model)
     assert "every routing weight is 1" in note and "--model.moe.norm_topk false" in note

@@ -7,7 +7,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from longctx.config import load_config
 from longctx.models.llama import build_model
-from longctx.models.moe import moe_layers, swiglu_experts
+from longctx.models.moe import moe_layers
+from longctx.models.moe_experts import swiglu_experts
 from longctx.parallel.parallelize import apply_memory
 
 

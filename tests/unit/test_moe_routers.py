@@ -312,7 +312,7 @@ def test_dts_model_evaluation_equals_its_training_forward_in_the_warm_up():
     """A DTS model at step 3 of 10: its evaluation's loss is the training forward's (the same routing),
     not the loss of top-k routing it was never trained with (moe.dts_eval = top_k)."""
     from longctx.models.llama import build_model
-    from longctx.models.moe import eval_routing_note
+    from longctx.models.moe_eval_routing import eval_routing_note
 
     tokens = torch.randint(0, 320, (2, 33), generator=torch.Generator().manual_seed(0))
     losses = {}

@@ -21,12 +21,12 @@ from test_offload_depth_peak import CHUNK, DIM, DeviceLive, _Batch, _device_copi
 
 from longctx.config import load_config
 from longctx.memory.accounting import (
-    block_part_bytes,
     estimate_activations,
     loss_saved_bytes,
     offloaded_tier_after_post,
 )
 from longctx.memory.apply_policy import apply_memory_policy
+from longctx.memory.block_parts import block_part_bytes
 from longctx.memory.policy import MemoryPolicy
 from longctx.memory.transients import backward_phase_bytes, kept_blocks_freed_bytes, transient_bytes
 from longctx.models.llama import build_model

@@ -17,7 +17,7 @@ from test_autocast_transients import SHAPE, DeviceLive, _batch
 from torch.utils.checkpoint import checkpoint
 
 from longctx.config import load_config
-from longctx.memory.accounting import block_part_bytes
+from longctx.memory.block_parts import block_part_bytes
 from longctx.memory.policy import MemoryPolicy
 from longctx.memory.pre_transients import rope_backward_bytes, rope_forward_bytes
 from longctx.memory.transients import backward_phase_bytes, pre_saved_bytes

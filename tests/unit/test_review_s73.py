@@ -71,7 +71,7 @@ def test_reclip_under_a_non_finite_norm_leaves_nothing_a_step_could_apply_silent
     assert bool((g == 0).all()) or not bool(torch.isfinite(g).all()), g
 
 
-# ---- models/moe.py dropless -----------------------------------------------------------------------
+# ---- models/moe_eval_routing.py dropless ----------------------------------------------------------
 
 
 def _capacity_model(capacity: float = 1.25):
@@ -80,7 +80,7 @@ def _capacity_model(capacity: float = 1.25):
 
 
 def test_dropless_nests_skips_none_and_dense_models_and_restores_after_an_error():
-    from longctx.models.moe import dropless
+    from longctx.models.moe_eval_routing import dropless
 
     moe, dense = _capacity_model(), build_model(load_config().model, seed=1)
     layers = moe_layers(moe)

@@ -18,7 +18,7 @@ from longctx.cli import main as longctx_main
 from longctx.config import load_config
 from longctx.costs.hardware import PRESETS
 from longctx.costs.shape import MeshShape
-from longctx.data.builder import readers
+from longctx.data.builder import readers, table_readers
 from longctx.data.builder.options import BuildOptions
 from longctx.data.builder.pipeline import build_store
 from longctx.data.store import read_manifest
@@ -148,9 +148,9 @@ def test_build_log_says_why_files_were_skipped(tmp_path):
 
 
 def test_every_skip_reason_has_a_name_in_messages():
-    """Each reason readers.py counts a skip under is one SKIP_REASONS names (so a message never
-    shows a bare count, or a key the user has to decode)."""
-    source = inspect.getsource(readers)
+    """Each reason readers.py (and table_readers.py, its parquet and arrow units) counts a skip under is one
+    SKIP_REASONS names (so a message never shows a bare count, or a key the user has to decode)."""
+    source = inspect.getsource(readers) + inspect.getsource(table_readers)
     counted = set(re.findall(r'skipped\["(\w+)"\]', source)) | set(re.findall(r'return None, "(\w+)"', source))
     counted |= set(re.findall(r'"(bad_\w+_file)"', source))
     named = set(readers.SKIP_REASONS)

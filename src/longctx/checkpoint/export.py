@@ -40,7 +40,7 @@ from ..data.tokenizer import load_tokenizer
 from ..durable import fsync_path, publish, scratch_dir
 from ..models.hf import TOKENIZER_FILES, copy_tokenizer_files, save_hf
 from ..models.llama import build_model
-from ..models.moe import dropless_note
+from ..models.moe_eval_routing import dropless_note
 from .manifest import CheckpointError, read_manifest
 from .weights_only import load_model_weights
 

@@ -266,7 +266,7 @@ def _unusable_expert_replicas(cfg: Config) -> list[str]:
 
 
 def dense_moe_notes(m: ModelConfig) -> list[str]:
-    """[model.moe] keys a dense model (model.moe.experts = 0) was given: a note each run prints (rules.py
+    """[model.moe] keys a dense model (model.moe.experts = 0) was given: a note each run prints (moe_rules.py
     moe_notes), not an error, since a MoE run's saved config.toml under a dense --model.preset keeps the
     keys it changed (load.py drop_restated_model_keys) and that is allowed."""
     if m.moe_experts != 0:

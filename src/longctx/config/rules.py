@@ -11,12 +11,13 @@ import functools
 from ..errors import ConfigError
 from .data_mix import mix_problems
 from .data_parallel import data_parallel_problems
+from .data_rules import data_rules
 from .draft_rules import draft_problems
-from .inert_options import dense_moe_notes, inert_option_problems
-from .layer_lists import parse_layer_list
+from .inert_options import inert_option_problems
+from .moe_rules import moe_rules
 from .positions import ms_poe_problems, rope_scaling_problems
 from .rules_ranges import range_problems
-from .schema import MOE_FAMILIES, RECOMPUTE_POLICIES, Config
+from .schema import RECOMPUTE_POLICIES, Config
 
 # families with q/k RMSNorm, and what it spans (model.qk_norm_span)
 QK_NORM_SPAN = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "all"}
@@ -51,7 +52,7 @@ def memory_policy_problems(recompute: str, offload_fraction, block_chunk: int = 
 def validate(cfg: Config) -> None:
     """Reject impossible values and combinations; all problems are reported together."""
     problems: list[str] = []
-    for section_rules in (_model_rules, _train_rules, _data_rules, _parallel_rules, _memory_and_other_rules):
+    for section_rules in (_model_rules, _train_rules, data_rules, _parallel_rules, _memory_and_other_rules):
         section_rules(cfg, problems)
     problems += (draft_problems(cfg, shortest_length(cfg)) + data_parallel_problems(cfg) + range_problems(cfg)
                  + inert_option_problems(cfg) + mix_problems(cfg))
@@ -85,7 +86,7 @@ def _model_rules(cfg: Config, problems: list[str]) -> None:
         )
     if m.heads > 0 and m.dim > 0 and m.resolved_head_dim % 2:
         problems.append(f"the head size ({m.resolved_head_dim}) must be even for rotary embeddings.")
-    _moe_rules(m, problems)
+    moe_rules(m, problems)
     problems += rope_scaling_problems(m)
     if m.qk_norm != (m.family in QK_NORM_SPAN):
         problems.append(f"model.qk_norm={m.qk_norm} does not fit model.family={m.family}: q/k norms are what "
@@ -111,78 +112,6 @@ def _model_rules(cfg: Config, problems: list[str]) -> None:
             f"< model.rope_high_freq_factor ({m.rope_high_freq_factor})."
         )
     problems += ms_poe_problems(m)  # (the model refuses them too, for a config built another way)
-
-
-def moe_notes(m) -> list[str]:
-    """What a run should hear about its [model.moe] settings that is allowed but easy to get wrong."""
-    if not m.is_moe:
-        return dense_moe_notes(m)  # (keys the dense model ignores)
-    notes = []
-    if m.moe_top_k == 1 and m.moe_norm_topk and m.moe_router != "switch":
-        notes.append(f"model.moe.top_k 1 with norm_topk true: every routing weight is 1 (as transformers' top-1 "
-                     f"Mixtral and Qwen-MoE compute it), so the {m.moe_router} router learns from the balancing "
-                     f"losses alone, never from the model's loss; set --model.moe.norm_topk false (the weight is the "
-                     f"expert's probability, as the Switch Transformer's) to let the loss reach it")
-    return notes
-
-
-def _moe_rules(m, problems: list[str]) -> None:
-    """[model.moe]: each impossible combination named with its fix."""
-    if m.moe_experts < 0:
-        problems.append(f"model.moe.experts must be >= 0 (0 = a dense model), got {m.moe_experts}.")
-    if m.family in MOE_FAMILIES and not m.is_moe:
-        problems.append(f"model.family = {m.family} is a Mixture-of-Experts family but model.moe.experts is 0; set "
-                        f"model.moe.experts (or pick a dense family).")
-    if not m.is_moe:
-        return
-    e, k = m.moe_experts, m.moe_top_k
-    if not 1 <= k <= e:
-        problems.append(f"model.moe.top_k ({k}) must be between 1 and model.moe.experts ({e}).")
-    if m.moe_router == "switch" and k != 1:
-        problems.append(f"model.moe.router = switch routes each token to one expert, but model.moe.top_k is {k}; "
-                        f"set --model.moe.top_k 1 (or use router softmax for top-{k}).")
-    for key in ("expert_dim", "shared_experts", "shared_dim", "dts_steps", "sinkhorn_iters", "capacity_factor",
-                "aux_loss", "z_loss", "bias_update_rate"):
-        if getattr(m, f"moe_{key}") < 0:
-            problems.append(f"model.moe.{key} must be >= 0, got {getattr(m, f'moe_{key}')}.")
-    if m.moe_route_scale <= 0:  # (0 silences the routed experts: the loss reaches neither them nor the router)
-        problems.append(f"model.moe.route_scale must be positive (1 = unscaled weights), got {m.moe_route_scale}.")
-    if m.moe_shared_gate and not m.resolved_shared_dim:
-        problems.append("model.moe.shared_gate gates the shared experts, but there are none: set "
-                        "model.moe.shared_experts or model.moe.shared_dim.")
-    if m.moe_groups < 1 or e % m.moe_groups:
-        problems.append(f"model.moe.groups ({m.moe_groups}) must divide model.moe.experts ({e}).")
-    elif not 1 <= m.moe_topk_groups <= m.moe_groups:
-        problems.append(f"model.moe.topk_groups ({m.moe_topk_groups}) must be between 1 and model.moe.groups "
-                        f"({m.moe_groups}).")
-    elif m.moe_groups > 1 and k > m.moe_topk_groups * (e // m.moe_groups):  # (groups 1: the top_k rule)
-        problems.append(f"model.moe.top_k ({k}) is more than the experts in model.moe.topk_groups "
-                        f"({m.moe_topk_groups}) groups of {e // m.moe_groups}.")
-    if m.moe_groups > 1 and m.moe_router != "sigmoid":
-        problems.append(f"model.moe.groups limits the sigmoid router's choice; router {m.moe_router} has no groups "
-                        f"(set --model.moe.router sigmoid or groups 1).")
-    if m.moe_capacity_factor > 0 and m.moe_router in ("sinkhorn", "dts"):
-        why = ("balances its assignment itself" if m.moe_router == "sinkhorn"
-               else "sends every token to every expert early on")
-        problems.append(f"model.moe.capacity_factor drops tokens over an expert's capacity, but router "
-                        f"{m.moe_router} {why}: use capacity_factor 0 (dropless) or router softmax/switch/sigmoid.")
-    if m.moe_bias_update_rate > 0 and m.moe_router == "sinkhorn":
-        problems.append("model.moe.bias_update_rate balances the load through a selection bias; router sinkhorn "
-                        "balances its assignment itself: set one of them.")
-    if m.moe_router == "dts" and (m.moe_dts_temperature <= 0):
-        problems.append(f"model.moe.dts_temperature must be positive, got {m.moe_dts_temperature}.")
-    try:
-        dense = parse_layer_list(m.moe_dense_layers)
-    except ValueError as err:
-        problems.append(f"model.moe.dense_layers: {err}.")
-    else:
-        beyond = sorted(i for i in dense if i >= m.layers)
-        if beyond:
-            problems.append(f"model.moe.dense_layers names layers {beyond}, but the model has {m.layers} "
-                            f"(0-{m.layers - 1}).")
-        elif m.layers > 0 and len(dense) == m.layers:
-            problems.append("model.moe.dense_layers makes every layer dense; set model.moe.experts 0 for a dense "
-                            "model, or leave some layers to the experts.")
 
 
 def _train_rules(cfg: Config, problems: list[str]) -> None:
@@ -272,46 +201,6 @@ def shortest_length(cfg: Config) -> int:
 def global_batch_used(stages: str) -> bool:
     """Whether train.global_batch is read: no train.stages, or a stage that names no batch of its own."""
     return not stages or any(not batch for _, _, batch in parse_stages(stages))
-
-
-SYNTHETIC_TASKS = ("passkey", "needle")
-
-
-def parse_synthetic(spec: str) -> tuple[str, float] | None:
-    """data.synthetic "passkey:0.2" -> ("passkey", 0.2); "" -> None; anything else a ConfigError."""
-    if not spec:
-        return None
-    task, _, frac = spec.partition(":")
-    try:
-        fraction = float(frac)
-    except ValueError:
-        fraction = -1.0
-    if task not in SYNTHETIC_TASKS or not 0 < fraction <= 1:
-        raise ConfigError(f"data.synthetic = {spec!r} must be TASK:FRACTION with TASK one of "
-                          f"{', '.join(SYNTHETIC_TASKS)} and FRACTION in (0, 1], e.g. \"passkey:0.2\" (a fifth of "
-                          f"the training samples); '' = none.")
-    return task, fraction
-
-
-def _data_rules(cfg: Config, problems: list[str]) -> None:
-    d, t = cfg.data, cfg.train
-    try:
-        parse_synthetic(d.synthetic)
-    except ConfigError as e:
-        problems.append(str(e))
-    if not 0 <= d.eval_fraction < 1:
-        problems.append(f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}.")
-    if t.eval_interval and d.eval_fraction == 0:
-        problems.append("train.eval_interval is set but data.eval_fraction is 0: nothing is held out to evaluate on.")
-    if d.max_docs < 0:
-        problems.append(f"data.max_docs must be >= 0, got {d.max_docs}.")
-    if d.workers < 1:
-        problems.append(f"data.workers must be >= 1, got {d.workers}.")
-    if not d.corpus.strip():  # ('' was the path '.': the working directory's files became the corpus)
-        problems.append("data.corpus is empty; write stdlib (the default) or a directory of text files.")
-    elif d.path and d.corpus != "stdlib":
-        problems.append(f"data.path ({d.path}) and data.corpus ({d.corpus}) are both set; a store already holds its "
-                        f"documents: set data.path to train from a store, or data.corpus to build one.")
 
 
 DEGREES = ("dp_replicate", "dp_shard", "head", "ctx")  # the mesh's dims, outermost first

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config.rules import SYNTHETIC_TASKS
+from ..config.data_rules import SYNTHETIC_TASKS
 from ..errors import ConfigError, DataError
 from .loader import SampleSet
 from .samples import IGNORE

@@ -1,8 +1,9 @@
 """What one `longctx eval` computes (EvalRequest), prepared from its flags: the run config its model is
-built from (the checkpoint's [model] without a MoE capacity, said by models/moe.py `dropless_note`; the
-layout, the longest length), --mode generate's sampling, the notes on lengths past the model's reach, and
-each length's sequences (eval/inputs.py). The launching process prepares it once, so that bad input stops the
-command before any rank starts, and every rank prepares the same again (cheap, deterministic).
+built from (the checkpoint's [model] without a MoE capacity, said by models/moe_eval_routing.py
+`dropless_note`; the layout, the longest length), --mode generate's sampling, the notes on lengths past the
+model's reach, and each length's sequences (eval/inputs.py). The launching process prepares it once, so that
+bad input stops the command before any rank starts, and every rank prepares the same again (cheap,
+deterministic).
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def _dp(cfg, nproc: int) -> int:
 
 def prepare(args, overrides: list[str], nproc: int) -> EvalRequest:
     """Check every input and build the sequences to evaluate (the same in the launcher and on every rank)."""
-    from ..models.moe import dropless_note  # (here: the module stays free of torch)
+    from ..models.moe_eval_routing import dropless_note  # (here: the module stays free of torch)
     from .tasks import parse_depths, parse_lengths
 
     mode = getattr(args, "mode", "score")

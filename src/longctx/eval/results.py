@@ -42,7 +42,7 @@ def _result_head(request: EvalRequest, args, cfg, layout: dict, dtype) -> dict:
 def _note_routing(out: dict, model, main_rank: bool) -> None:
     """How the model routes where that depends on its step (a DTS-Gate checkpoint: as training did at
     its step), in the JSON and said once."""
-    from ..models.moe import eval_routing_note
+    from ..models.moe_eval_routing import eval_routing_note
 
     note = eval_routing_note(model)
     if note:

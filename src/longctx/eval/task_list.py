@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..config.rules import SYNTHETIC_TASKS
+from ..config.data_rules import SYNTHETIC_TASKS
 from ..durable import written_in_place
 from ..errors import ConfigError
 from ..generate.context_memory import DEFAULTS as MEMORY_DEFAULTS

@@ -158,7 +158,7 @@ def window_off(init_from: str) -> str:
 def dropless_notes(which: str, model) -> list[str]:
     """generate's (and bench decode's) note on a MoE capacity its decoding leaves out (generate/loop.py
     generating), for the target ("model") or a longctx draft ("draft"); none without one."""
-    from ..models.moe import dropless_note
+    from ..models.moe_eval_routing import dropless_note
 
     note = model and dropless_note(model.moe_capacity_factor, f"the {which} generates",
                                    "a prompt's tokens depend on the prompts batched with it and on how its prefill "

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.moe import dropless
+from ..models.moe_eval_routing import dropless
 from ..models.static_decode import CompiledStep, install
 from .contracts import Backend, Cache, FlatPrefill, LeasedCaches, Round, Rounds
 from .loading import check_window
@@ -157,7 +157,7 @@ def _check_window(model, prompts: Sequence[Sequence[int]], limits: Sequence[int]
 @contextmanager
 def generating(model):
     """`model` (None: nothing) as generation runs it, a target or a draft: in eval mode (a train-mode
-    Sinkhorn router would route by its balanced assignment) and dropless (models/moe.py: a MoE capacity
+    Sinkhorn router would route by its balanced assignment) and dropless (models/moe_eval_routing.py: a MoE capacity
     would make a row's tokens depend on the rows and calls it runs with); its mode back after."""
     if model is None:
         yield

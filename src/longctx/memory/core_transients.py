@@ -8,7 +8,7 @@ them to a block's backward phases. Shapes and bytes per rank and micro-batch, as
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .accounting import block_part_bytes
+from .block_parts import block_part_bytes
 from .policy import MemoryPolicy
 
 

@@ -33,7 +33,7 @@ dtype e (under bf16 autocast the results are bf16: an upper bound there).
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .accounting import compute_bytes
+from .block_parts import compute_bytes
 from .hier_counts import expected_pairs_and_sent, hier_call_bytes, hierarchical, node_share
 from .policy import MemoryPolicy
 from .transients import ffn_backward_bytes, piece_tokens

@@ -17,7 +17,7 @@ parts themselves, listed here from the same graph (every size in bytes, per rank
   checkpoint's); each piece its slice of the attention output in sequence layout when that is a tensor of
   its own (head > 1, or the core's state offloaded); the core its q, k, v, out, lse whole. Under autocast
   what the matmuls and the attention kernel make (q, k, v, out, the attention output, the SwiGLU tensors)
-  is bf16 and the residual stream fp32 (memory/accounting.py block_part_bytes' `autocast`, compute_bytes).
+  is bf16 and the residual stream fp32 (memory/block_parts.py block_part_bytes' `autocast`, compute_bytes).
 - memory.attention_offload: the core's state by chunk (ChunkStore: k, v per key chunk, q, out, lse per
   query chunk over the core's sequence, batch included; a ring's five tensors whole); under `full` the
   recomputed block's, with dout and the fp32 dq per chunk (memory/transients.py).
@@ -35,7 +35,8 @@ from collections import Counter
 from ..config import ModelConfig
 from ..ops.chunked import chunk_slices
 from ..ops.pinned import pinned_bytes
-from .accounting import ATTENTION_NORM_FEEDS, MLP_NORM_FEEDS, compute_bytes, layer_activations
+from .accounting import layer_activations
+from .block_parts import ATTENTION_NORM_FEEDS, MLP_NORM_FEEDS, compute_bytes
 from .policy import MemoryPolicy
 
 

@@ -18,7 +18,7 @@ def moe_ffn_bytes(m: ModelConfig, p: int, c: int | None = None) -> float:
     """Bytes per local token a Mixture-of-Experts feed-forward (models/moe.py) leaves for backward
     in a training forward, dropless, in this implementation's graph (its input, the norm's output,
     is the block's: counted in `norm`). `c`: bytes per element of what the matmuls make
-    (accounting.compute_bytes; None: p): under bf16 autocast over fp32 weights (p 4, c 2) the
+    (block_parts.compute_bytes; None: p): under bf16 autocast over fp32 weights (p 4, c 2) the
     router stays fp32 (autocast off) and the expert path is bf16:
 
     - router (fp32, autocast off): the softmax probabilities [E] (the sigmoid router: its scores [E]
@@ -26,7 +26,7 @@ def moe_ffn_bytes(m: ModelConfig, p: int, c: int | None = None) -> float:
       its backward reads (without one it is recorded without a gradient); in bf16 the fp32 copy
       of the input the gate multiplies (4 d), and the bf16 norm output is then kept only by the
       shared experts; under autocast the gate keeps the norm's fp32 output itself (4 d), which the
-      autocast count of the norm leaves out (accounting.autocast_norm_bytes);
+      autocast count of the norm leaves out (block_parts.autocast_norm_bytes);
     - the chosen experts [k] (int64, the weights' gather index); the routing weights [k] (c each,
       as the combine multiplies them: under autocast their bf16 cast), and with renormalised top-k
       (moe.norm_topk, at any k; not the switch router, whose weight is its probability) the gathered
@@ -71,7 +71,7 @@ def routed_row_bytes(m: ModelConfig, p: int, c: int) -> int:
 
 def moe_norm_feeds(m: ModelConfig) -> int:
     """The matmuls under autocast that cast a MoE block's MLP norm output to bf16 and keep the cast (as
-    accounting.autocast_norm_bytes counts them): the shared experts' w1 and w3, and their sigmoid gate. The
+    block_parts.autocast_norm_bytes counts them): the shared experts' w1 and w3, and their sigmoid gate. The
     router's gate reads it in fp32 (moe_ffn_bytes) and the routed experts its permuted rows."""
     S = m.resolved_shared_dim
     return (2 if S else 0) + (1 if S and m.moe_shared_gate else 0)

@@ -17,13 +17,12 @@ import dataclasses
 from ..config import ModelConfig
 from .accounting import (
     ActivationEstimate,
-    block_part_bytes,
-    compute_bytes,
     estimate_activations,
     layer_activations,
     loss_saved_bytes,
     offloaded_tier_after_post,
 )
+from .block_parts import block_part_bytes, compute_bytes
 from .core_transients import (
     attention_chunks,
     attention_widths,

@@ -1,8 +1,8 @@
-"""Mixture-of-Experts feed-forward for one device: routers, grouped experts, router statistics.
+"""Mixture-of-Experts feed-forward for one device: routers, the layer, router statistics.
 
 `MoEFeedForward` replaces a block's SwiGLU: a router picks `top_k` experts per token, the tokens
 are permuted so that each expert's are contiguous, every expert runs as one grouped GEMM per
-projection (ops/grouped.py), and the results are un-permuted and weighted. Shared experts (one
+projection (models/moe_experts.py), and the results are un-permuted and weighted. Shared experts (one
 SwiGLU every token goes through, optionally behind a sigmoid gate) are added on top.
 
 How the routed rows reach their experts and come back is the layer's `dispatcher`, its one hook
@@ -27,25 +27,24 @@ each layer's `real` mask from the batch, and the statistics (models/moe_stats.py
 (models/moe_capacity.py) leave it out.
 
 Router selection runs in fp32 (autocast off): bf16 logits flip top-k choices between layouts and
-between a forward and its recomputation.
+between a forward and its recomputation. How the layers route outside training (dropless generation and
+evaluation, DTS-Gate's evaluation routing) is models/moe_eval_routing.py's.
 """
 
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from ..ops.eager import eager_under_compile
-from ..ops.grouped import grouped_mm
 from .balanced_assignment import balanced_assignment, sinkhorn
 from .moe_capacity import CallTokens, capacity_kept, decide, padded_choices
 from .moe_dispatch import Routing, TokenDispatcher, TokenRows, expert_counts  # noqa: F401  (re-exported too)
+from .moe_experts import Experts
 from .moe_stats import RouterRecord, RouterTerms, record_call, router_terms, update_expert_bias  # noqa: F401
 from .swiglu import FeedForward
 
@@ -240,61 +239,6 @@ ROUTERS: dict[str, type[Router]] = {"softmax": SoftmaxRouter, "switch": SwitchRo
                                     "sinkhorn": SinkhornRouter, "dts": DTSRouter}
 
 
-class Experts(nn.Module):
-    """E SwiGLU experts as 3D weights, each expert's matrix stored as nn.Linear stores it ([out, in]):
-    w1 (gate) and w3 (up) [E, hidden, dim], w2 (down) [E, dim, hidden]."""
-
-    def __init__(self, experts: int, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
-        self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
-        self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
-        self.chunk = 0  # memory.expert_chunk: rows run (and recomputed) at a time; 0 = all at once
-
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, dispatcher: TokenDispatcher | None = None,
-                beside=None):
-        """x [n, dim]: rows grouped by expert, counts[e] of them for expert e, in expert order. The
-        layer passes its dispatcher, which runs them (`run_experts`: all here on one device, each on
-        its owner under expert parallelism); inside this module's call, so that its hooks (FSDP's
-        gather of these weights) see every run. `beside`: see the dispatcher's run_experts_beside."""
-        if beside is not None:
-            return dispatcher.run_experts_beside(self, x, counts, beside)
-        return self.run_here(x, counts) if dispatcher is None else dispatcher.run_experts(self, x, counts)
-
-    def run_here(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Every expert on this device (one device's dispatcher runs this)."""
-        return swiglu_experts(x, counts, self.w1, self.w3, self.w2, self.chunk)
-
-
-def _swiglu_grouped(x, counts, w1, w3, w2):
-    t = lambda w: w.transpose(1, 2)  # noqa: E731  [E, in, out] views of the [E, out, in] weights
-    h = F.silu(grouped_mm(x, t(w1), counts)) * grouped_mm(x, t(w3), counts)
-    return grouped_mm(h, t(w2), counts)
-
-
-def swiglu_experts(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, chunk: int = 0) -> torch.Tensor:
-    """The experts' SwiGLU on rows grouped by expert (counts[e] rows for expert e, in order).
-
-    chunk > 0 (memory.expert_chunk): at most `chunk` rows at a time, each piece checkpointed, so the
-    experts' intermediates (3 x hidden per row, the largest tensors of an MoE layer) never exist for
-    more rows than that, however many rows arrive: under skewed routing a rank may receive every
-    token of its expert group. The pieces are cut by row position (the row count is a shape), each
-    piece's counts clipped from the cumulative counts on the device: no host read."""
-    if not chunk or x.shape[0] <= chunk:
-        return _swiglu_grouped(x, counts, w1, w3, w2)
-    return torch.cat([checkpoint(_swiglu_grouped, x[start:stop], piece_counts, w1, w3, w2, use_reentrant=False)
-                      for start, stop, piece_counts in row_pieces(x.shape[0], counts, chunk)])
-
-
-def row_pieces(n: int, counts: torch.Tensor, chunk: int):
-    """memory.expert_chunk's pieces of `n` rows grouped by `counts`: (start, stop, the rows of each group inside
-    [start, stop)) for every `chunk` rows, each group's [end - count, end) clipped on the device (no host read)."""
-    ends = counts.cumsum(0)
-    for start in range(0, n, chunk):
-        stop = min(start + chunk, n)
-        yield start, stop, ends.clamp(start, stop) - (ends - counts).clamp(start, stop)
-
-
 class MoEFeedForward(nn.Module):
     """Router + grouped experts (+ shared experts): a drop-in for the block's FeedForward."""
 
@@ -408,40 +352,3 @@ class MoEFeedForward(nn.Module):
 
 def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
     return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
-
-
-@contextmanager
-def dropless(*models: nn.Module | None):
-    """Every MoE layer of `models` (None: skipped) routes without its capacity (moe.capacity_factor) inside
-    the block, and keeps it after: generation's routing. A capacity is shared by the tokens of one call,
-    so a token's experts would depend on the other rows of a decode batch (finished ones too), on how the
-    prompt is chunked or grouped in prefill, on a verification's proposals and on the layout: a prompt's
-    tokens would depend on what it runs with. Dropless, each token reaches its top k, as eval scores such a
-    model (eval/request.py) and as transformers' MoE families route."""
-    layers = [layer for m in models if m is not None for layer in moe_layers(m)]
-    held = [layer.capacity_factor for layer in layers]
-    for layer in layers:
-        layer.capacity_factor = 0.0
-    try:
-        yield
-    finally:
-        for layer, capacity in zip(layers, held):
-            layer.capacity_factor = capacity
-
-
-def dropless_note(capacity: float, runs: str, would: str) -> str | None:
-    """What a command says once of the capacity `dropless` leaves out (None: no capacity): `runs` what runs
-    dropless ("the model is evaluated"), `would` what the capacity would make depend on what."""
-    if not capacity > 0:
-        return None
-    return (f"{runs} dropless: its moe.capacity_factor {capacity:g} is left out, since a capacity is shared by the "
-            f"tokens of a call and would make {would}")
-
-
-def eval_routing_note(model: nn.Module) -> str | None:
-    """How an evaluation of `model` routes where that depends on the step (DTS-Gate: moe.dts_eval),
-    for the eval line; None for routers that route the same at every step."""
-    routers = [layer.router for layer in moe_layers(model) if isinstance(layer.router, DTSRouter)]
-    return routers[0].describe_eval() if routers else None
-
-

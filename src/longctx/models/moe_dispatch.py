@@ -137,7 +137,7 @@ class TokenDispatcher:
         return TokenRows.apply(flat, order, inverse, k), counts, SlotOrder(order, inverse, n, weights)
 
     def run_experts(self, experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        # (experts: models/moe.py's Experts, which imports this module: typed by what it is here)
+        # (experts: models/moe_experts.py's Experts, which imports this module: typed by what it is here)
         return experts.run_here(rows, counts)
 
     def overlaps_beside(self) -> bool:

@@ -3,7 +3,8 @@
 For each case (model, sequence length, mesh shape, memory policy, grad_accum) N local processes
 run real training steps through the same pieces as `longctx train` (Runtime -> build_model ->
 parallelize -> step/loss.py forward_loss_sum / backward over grad_accum micro-batches ->
-step/optimizer.py make_optimizer's AdamW) on a random global batch with document ids, and report:
+step/optimizer.py make_optimizer's AdamW; what each rank runs is planner/validate_ranks.py) on a random global
+batch with document ids, and report:
 
 - the bytes comm.py counted per mesh dim and label, on every rank, vs the planner's closed form
   (must be equal);
@@ -35,40 +36,23 @@ from __future__ import annotations
 import math
 import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 from datetime import date
-
-import torch
 
 from .. import strict_json
 from ..config import build_config, to_dict
 from ..costs.hardware import calibrate
 from ..costs.shape import MeshShape
-from ..data.samples import Batch
-from ..job import comm
 from ..job.devices import machine_record
-from ..job.runtime import Runtime
 from ..job.spawn import run_spawned
-from ..job.traffic import library_traffic
-from ..memory.accounting import compute_bytes
+from ..memory.block_parts import compute_bytes
 from ..memory.hier_counts import hierarchical
-from ..memory.measured import measure_activations
 from ..memory.policy import MemoryPolicy
-from ..models.llama import build_model
-from ..parallel.context.shares import local_batch
-from ..parallel.fsdp.shard import grad_scale
-from ..parallel.parallelize import apply_memory, parallelize, use_sequence_parallel_attention
-from ..step.gradients import set_gradient_sync
-from ..step.loss import forward_loss_sum
-from ..step.optimizer import make_optimizer
 from .cost import estimate
 from .documents import doc_work_of_ids
-from .validate_experts import install_expert_parallel, received_skews
-from .validate_hier import LEVEL_DIMS, hier_saved_at, level_bytes_at, measured_rows
-
-SEED = 0
-COUNTED = ("head", "ctx", "dp_shard", "dp_replicate")  # the comm counters' dims compared
+from .validate_experts import received_skews
+from .validate_hier import hier_saved_at, level_bytes_at, measured_rows
+from .validate_ranks import COUNTED, SEED, case_worker, random_batch, ranking_worker
 
 
 @dataclass(frozen=True)
@@ -165,115 +149,9 @@ def case_config(case: Case):
     return build_config(raw)
 
 
-def random_batch(cfg, n_docs: int = 6):
-    """A global batch (train.global_batch sequences) of random tokens packed from n_docs documents
-    per sequence (doc ids, positions)."""
-    g = torch.Generator().manual_seed(SEED)
-    b, s = cfg.train.global_batch, cfg.train.seq_len
-    tokens = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
-    labels = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
-    doc_ids = torch.empty(b, s, dtype=torch.long)
-    positions = torch.empty(b, s, dtype=torch.long)
-    for row in range(b):
-        cuts = sorted(torch.randperm(s - 1, generator=g)[: n_docs - 1].add(1).tolist())
-        bounds = [0, *cuts, s]
-        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-            doc_ids[row, lo:hi] = i
-            positions[row, lo:hi] = torch.arange(hi - lo)
-    return Batch(tokens, labels, positions, doc_ids if cfg.data.doc_mask else None)
-
-
-def micro_batches(cfg, rt, batch) -> list:
-    """This rank's parts of the grad_accum micro-batches of a global batch."""
-    n = cfg.train.global_batch // cfg.train.grad_accum
-
-    def rows(t, i):
-        return None if t is None else t[i * n:(i + 1) * n]
-
-    return [local_batch(rt, Batch(*(rows(t, i) for t in (batch.tokens, batch.labels, batch.positions,
-                                                          batch.doc_ids))))
-            for i in range(cfg.train.grad_accum)]
-
-
-def _setup(raw_cfg: dict):
-    """(cfg, runtime, model, optimizer, the global batch, loss scale) of one case."""
-    cfg = build_config(raw_cfg)
-    mesh = comm.world_mesh()
-    rt = Runtime.create(cfg, mesh.get_rank(), mesh.size(), "cpu")
-    model = parallelize(build_model(cfg.model, device="cpu", seed=SEED), rt.dims, cfg, rt.mesh, "cpu")
-    batch = random_batch(cfg)
-    scale = grad_scale(rt.dims) / max(batch.valid_tokens, 1)
-    return cfg, rt, model, make_optimizer(model, cfg), batch, scale
-
-
-def train_step(cfg, rt, model, opt, batch, scale, zero_grad: bool = True) -> None:
-    """One optimizer step: forward/backward of every micro-batch (gradients accumulate), AdamW. The
-    micro-batches are cut anew each step, as the training loop's are (new tensors: nothing a
-    previous step attached to them, such as a planned sequence layout, carries over)."""
-    locals_ = micro_batches(cfg, rt, batch)
-    for i, local in enumerate(locals_):
-        set_gradient_sync(model, i == len(locals_) - 1 or cfg.memory.grad_sync == "micro_batch")  # as training
-        (forward_loss_sum(model, local, None) * scale).backward()
-    opt.step()
-    if zero_grad:
-        opt.zero_grad(set_to_none=True)
-
-
-def measured_model_state_bytes(model, opt) -> int:
-    """Bytes of this rank's shards of the parameters, their gradients and the optimizer's state
-    tensors (AdamW: exp_avg, exp_avg_sq), measured on the tensors."""
-    def local(t):
-        t = t.to_local() if hasattr(t, "to_local") else t
-        return t.numel() * t.element_size()
-
-    total = 0
-    for p in model.parameters():
-        total += local(p) + (local(p.grad) if p.grad is not None else 0)
-        for v in opt.state.get(p, {}).values():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:  # not the scalar step counter
-                total += local(v)
-    return total
-
-
-def _worker(raw_cfg: dict, steps: int, warmup: int):
-    cfg, rt, model, opt, batch, scale = _setup(raw_cfg)
-    times, counters = [], {}
-    for i in range(warmup + steps):
-        comm.barrier()
-        comm.reset_counters()
-        t0 = time.perf_counter()
-        train_step(cfg, rt, model, opt, batch, scale)
-        counters = comm.counters()
-        comm.barrier()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    # one more step, untimed (the dispatch mode slows every op): FSDP's own traffic, then the
-    # model states before zero_grad drops the gradients
-    with library_traffic() as fsdp:
-        train_step(cfg, rt, model, opt, batch, scale, zero_grad=False)
-    states = measured_model_state_bytes(model, opt)
-    opt.zero_grad(set_to_none=True)
-    counters = {d: v for d, v in counters.items() if d in COUNTED}
-    out = {"rank": rt.rank, "times": times, "counters": counters, "fsdp": dict(fsdp), "model_states": states}
-    del model, opt
-    # activation bytes this rank holds after the forward, measured as `longctx bench memory` does,
-    # on a model without FSDP (the accounting counts activations, not gathered parameters)
-    bare = build_model(cfg.model, device="cpu", seed=SEED)
-    use_sequence_parallel_attention(bare, rt.dims, rt.mesh)
-    counts = install_expert_parallel(bare, cfg, rt)  # (at expert 1: nothing)
-    apply_memory(bare, cfg.memory, "cpu")
-    local = micro_batches(cfg, rt, batch)[0]
-    comm.reset_counters()  # (the step's were read above): the hierarchy's levels in this forward and backward
-    got = measure_activations(bare, local.tokens, local.positions, local.doc_ids, labels=local.labels)
-    out["activations"] = {"device": got["total_device"], "host": got["total_host"]}
-    out["expert_counts"] = counts
-    out["expert_levels"] = {d: v for d, v in comm.counters().items() if d in LEVEL_DIMS}
-    return out
-
-
 def run_case(case: Case, hw, steps: int = 3, warmup: int = 1) -> dict:
     cfg = case_config(case)
-    per_rank = run_spawned(case.world, _worker, to_dict(cfg), steps, warmup, threads=1)
+    per_rank = run_spawned(case.world, case_worker, to_dict(cfg), steps, warmup, threads=1)
     est, predicted = _predict(case, hw, cfg)
     expert_rows = _expert_rows(case, cfg, per_rank, hw)
     if expert_rows:  # the most loaded rank against the prediction at its measured skew
@@ -312,25 +190,6 @@ def run_case(case: Case, hw, steps: int = 3, warmup: int = 1) -> dict:
     row["host_within_5pct"] = all(abs(h - row["host_predicted"]) <= max(0.05 * row["host_predicted"], 1)
                                   for h in row["host_measured"])
     return row
-
-
-def _ranking_worker(raws: list[dict], rounds: int):
-    """All cases in ONE job of the same processes, interleaved round by round, so that every case
-    sees the same machine load (this CPU is shared); returns per-case step times of this rank."""
-    jobs = [_setup(raw) for raw in raws]  # (cfg, runtime, model, optimizer, global batch, scale)
-    times = [[] for _ in jobs]
-    counters = [None] * len(jobs)
-    for r in range(rounds + 1):  # round 0 is the warm-up
-        for i, job in enumerate(jobs):
-            comm.barrier()
-            comm.reset_counters()
-            t0 = time.perf_counter()
-            train_step(*job)
-            comm.barrier()
-            if r:
-                times[i].append(time.perf_counter() - t0)
-            counters[i] = {d: v for d, v in comm.counters().items() if d in COUNTED}
-    return {"times": times, "counters": counters}
 
 
 def _predict(case: Case, hw, cfg, expert_skew: float | None = None):
@@ -393,7 +252,7 @@ def run_ranking(cases: list[Case], hw, rounds: int = 5) -> list[dict]:
     if any(c.world != world for c in cases):
         raise ValueError("ranking cases must share one world size (the same processes run them all)")
     cfgs = [case_config(c) for c in cases]
-    per_rank = run_spawned(world, _ranking_worker, [to_dict(c) for c in cfgs], rounds, threads=1)
+    per_rank = run_spawned(world, ranking_worker, [to_dict(c) for c in cfgs], rounds, threads=1)
     rows = []
     for i, (case, cfg) in enumerate(zip(cases, cfgs)):
         est, predicted = _predict(case, hw, cfg)

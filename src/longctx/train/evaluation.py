@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..data.store_mix import StoreMix
-from ..models.moe import dropless
+from ..models.moe_eval_routing import dropless
 from ..parallel.context.shares import read_local_batch, to_device
 from ..step.loss import forward_loss_sum, forward_token_losses
 

@@ -24,7 +24,8 @@ import torch
 
 from ..config import Config
 from ..job.runtime import Runtime
-from ..models.moe import eval_routing_note, moe_layers
+from ..models.moe import moe_layers
+from ..models.moe_eval_routing import eval_routing_note
 from ..parallel.expert.install import expert_placer, expert_step_notes
 from ..parallel.expert.placement import Placement
 from .hooks import StepHook

@@ -23,11 +23,11 @@ from ..checkpoint.manifest import check_draft_matches, check_model_matches, read
 from ..config import Config, to_dict
 from ..config.checkpoint_paths import complete_checkpoints
 from ..config.data_mix import is_mix
+from ..config.data_rules import parse_synthetic
 from ..config.draft_rules import clover_ranks_problem
 from ..config.hf import hf_dir
 from ..config.hf_export import ROPE_SCALING_READS
 from ..config.resume import checkpoint_root
-from ..config.rules import parse_synthetic
 from ..costs.peaks import machine_cpu_peak, precision_name
 from ..data.default_store import default_store
 from ..data.synthetic import check_room

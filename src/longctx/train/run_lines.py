@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..config.checkpoint_paths import step_name
 from ..config.inert_options import inert_option_notes
-from ..config.rules import moe_notes
+from ..config.moe_rules import moe_notes
 from ..models.llama import count_params
 from ..step.schedule import schedule_note, schedule_words
 

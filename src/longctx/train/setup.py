@@ -19,8 +19,8 @@ from ..checkpoint.manager import CheckpointManager, resolve_checkpoint
 from ..checkpoint.verify_command import layout_text
 from ..config import Config, to_dict, to_toml
 from ..config.data_mix import first_store, is_mix, parse_weights, store_paths
+from ..config.data_rules import parse_synthetic
 from ..config.resume import checkpoint_root, manifest_run_dir
-from ..config.rules import parse_synthetic
 from ..config.tokenizer import stored_identity, tokenizer_identity, unknown_tokenizer
 from ..data.default_store import default_store
 from ..data.loader import PackedSamples

@@ -12,6 +12,7 @@ or asks data/default_store.py for the default store, which builds it here once o
     shard_files.py  a shard's files, written a document at a time
     inputs.py       the units (files) of an input, in order; read_inputs (all documents in memory)
     readers.py      one unit's documents, streamed: text, jsonl, parquet, arrow, .gz / .zst
+    table_readers.py  readers.py's parquet and arrow units, record batch by record batch
     corpus.py       Document; the default corpus (the standard library's own sources)
     conversations.py  --messages-field: a conversation made an instruction pair by the chat template
     tokenize.py     tokens of a document (or an instruction pair) with its line and paragraph breaks

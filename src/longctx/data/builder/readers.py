@@ -11,8 +11,8 @@ normalised: UTF-8 BOM dropped, CRLF/CR line ends turned into LF, Unicode NFC.
 
 Inputs are read one *unit* at a time (`iter_file`): a file, or one arrow file of a saved dataset,
 yielding its documents in order without holding the unit in memory (jsonl line by line, also
-through the decompressor; parquet and arrow record batch by record batch; a plain text file is one
-document and is read whole). Which units an input has, and in what order, is inputs.py's job.
+through the decompressor; parquet and arrow record batch by record batch, table_readers.py; a plain
+text file is one document and is read whole). Which units an input has, and in what order, is inputs.py's job.
 
 Formats, by suffix: the suffix before `.gz` / `.zst` decides (`x.jsonl.zst` is jsonl, `notes.txt.gz`
 and `mod.py.zst` are text); parquet and arrow are compressed inside already, so `x.parquet.gz` is not
@@ -47,10 +47,10 @@ from pathlib import Path
 
 from ...errors import DataError
 from .corpus import Document
+from .table_readers import import_pyarrow, iter_arrow, iter_parquet
 
 COMPRESSION_SUFFIXES = {".gz", ".zst"}
 CHUNK = 1 << 20  # bytes read (or decompressed) at a time when streaming a file
-ROWS = 4096  # parquet / arrow values converted to Python at a time
 _NO_RESPONSE = object()  # a plain document's record (no --response-field)
 
 
@@ -125,19 +125,6 @@ def unit_format(path: Path) -> tuple[str | None, str | None]:
 
 # -- the optional libraries, imported when a unit needs them -------------------------------------
 
-def _pyarrow(path: Path):
-    try:  # an optional package (the `data` extra)
-        import pyarrow
-        import pyarrow.ipc  # noqa: F401
-        import pyarrow.parquet  # noqa: F401
-    except ImportError:
-        raise DataError(
-            f"reading '{path}' needs pyarrow, which is not installed; install the data extra with "
-            f"pip install 'longctx[data]' (or pip install pyarrow)."
-        ) from None
-    return pyarrow
-
-
 def _zstandard(path: Path):
     try:  # an optional package (the `data` extra)
         import zstandard
@@ -153,7 +140,7 @@ def check_libraries(files: list[Path]) -> None:
     """A missing optional library is an error now, before anything is read or written."""
     for f in files:
         if unit_format(f)[0] in ("parquet", "arrow"):
-            _pyarrow(f)
+            import_pyarrow(f)
             break
     for f in files:
         if unit_format(f)[1] == ".zst":
@@ -335,92 +322,6 @@ def _iter_bytes_file(path: Path, name: str, fmt: str, compression: str | None, f
         yield Document(name, text)
 
 
-def _column_problem(kind: str, path: Path, fields: list[tuple], schema) -> DataError | None:
-    """The error for a parquet / arrow file without one of the record's columns `fields` ((name, the
-    option naming it, what it holds) each), or whose text column holds no strings (bytes, numbers: every row
-    would be skipped as having no text, the column right there)."""
-    columns = schema.names
-    for field, flag, holds in fields:
-        if field not in columns:
-            return DataError(f"{kind} file '{path}' has no column '{field}' (columns: {', '.join(columns)}); "
-                             f"pass {flag} with the column that holds the {holds}.")
-        if len(schema.get_all_field_indices(field)) > 1:  # (which one is the text: not ours to guess)
-            return DataError(f"{kind} file '{path}' has {len(schema.get_all_field_indices(field))} columns named "
-                             f"'{field}'; rename all but the one that holds the {holds}.")
-        kind_of = schema.field(field).type
-        # (a dictionary-encoded column: its values' type; a list column has a value_type too, and is no text)
-        value_type = kind_of.value_type if hasattr(kind_of, "index_type") else kind_of
-        if holds != "conversation" and not (str(value_type) in _STRING_TYPES or str(kind_of) == "null"):
-            return DataError(f"{kind} file '{path}' column '{field}' holds {kind_of} values, not text (string); "
-                             f"pass {flag} with the column that holds the {holds} as strings, or convert it.")
-    return None
-
-
-_STRING_TYPES = ("string", "large_string", "string_view")
-
-
-def _iter_values(batches: Iterator, columns: list, accept, name: str, skipped: Counter,
-                 reason: str) -> Iterator[Document]:
-    """Documents of the `columns` (indices, the record's fields in order) of record batches, each row's
-    values made a document by `accept`; a batch that cannot be read ends the unit, counted under `reason`."""
-    row = 0
-    while True:
-        try:
-            batch = next(batches)
-        except StopIteration:
-            return
-        except Exception:  # pyarrow raises several types for corrupt data
-            skipped[reason] += 1
-            return
-        values = [batch.column(c) for c in columns]
-        for start in range(0, len(values[0]), ROWS):
-            for fields in zip(*(v.slice(start, ROWS).to_pylist() for v in values)):
-                row += 1
-                doc = accept(list(fields), f"{name}:{row}", skipped)
-                if doc is not None:
-                    yield doc
-
-
-def _iter_parquet(path: Path, name: str, fields: list[tuple], accept, skipped: Counter) -> Iterator[Document]:
-    pq = _pyarrow(path).parquet
-    try:
-        pf = pq.ParquetFile(str(path))
-    except Exception:  # pyarrow raises several types for a corrupt file
-        skipped["bad_parquet_file"] += 1
-        return
-    problem = _column_problem("parquet", path, fields, pf.schema_arrow)
-    if problem is not None:
-        raise problem
-    yield from _iter_values(pf.iter_batches(columns=[f for f, _, _ in fields], batch_size=ROWS),
-                            list(range(len(fields))), accept, name, skipped, "bad_parquet_file")
-
-
-def _iter_arrow(path: Path, name: str, fields: list[tuple], accept, skipped: Counter) -> Iterator[Document]:
-    pa = _pyarrow(path)
-    try:
-        source = pa.memory_map(str(path))  # batches are read in place, not copied into memory
-    except OSError:
-        skipped["unreadable"] += 1
-        return
-    with source:
-        try:
-            stream = pa.ipc.open_stream(source)  # what datasets' save_to_disk writes
-            schema, batches = stream.schema, iter(stream)
-        except Exception:
-            try:
-                source.seek(0)
-                file = pa.ipc.open_file(source)
-                schema = file.schema
-                batches = (file.get_batch(i) for i in range(file.num_record_batches))
-            except Exception:
-                skipped["bad_arrow_file"] += 1
-                return
-        problem = _column_problem("arrow", path, fields, schema)
-        if problem is not None:
-            raise problem
-        yield from _iter_values(batches, [schema.get_field_index(f) for f, _, _ in fields], accept, name, skipped,
-                                "bad_arrow_file")
-
 
 def iter_file(path: Path, name: str, text_field: str, skipped: Counter,
               damaged: list[str] | None = None, response_field: str = "", conversations=None) -> Iterator[Document]:
@@ -441,9 +342,9 @@ def iter_file(path: Path, name: str, text_field: str, skipped: Counter,
     if fmt is None:
         skipped["other_suffix"] += 1
     elif fmt == "parquet":
-        yield from _iter_parquet(path, name, fields, accept, skipped)
+        yield from iter_parquet(path, name, fields, accept, skipped)
     elif fmt == "arrow":
-        yield from _iter_arrow(path, name, fields, accept, skipped)
+        yield from iter_arrow(path, name, fields, accept, skipped)
     else:
         yield from _iter_bytes_file(path, name, fmt, compression, fields, accept, skipped)
     if damaged is not None and sum(skipped[r] for r in DAMAGE_REASONS) > before:

@@ -32,7 +32,8 @@ from torch.distributed.tensor import DTensor
 
 from ...job import comm
 from ...job.split_transfer import SplitTransfer, StartAllToAllV, WaitAllToAllV
-from ...models.moe import TokenDispatcher, swiglu_experts
+from ...models.moe import TokenDispatcher
+from ...models.moe_experts import swiglu_experts
 from ...ops.eager import eager_under_compile
 from .pipeline import PipelinedExperts, chunk_plan, tuning_step
 from .placement import copy_slot_weights, own_and_copy_experts

@@ -52,7 +52,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ...job import comm
-from ...models.moe import row_pieces, swiglu_experts
+from ...models.moe_experts import row_pieces, swiglu_experts
 
 
 @dataclass(frozen=True)
@@ -232,8 +232,8 @@ def own_and_copy_experts(rows: torch.Tensor, counts: torch.Tensor, weights: tupl
     copies' fetch, an all-to-all every rank of the group joins. The same products as one GEMM over the slots.
 
     chunk > 0 (memory.expert_chunk): checkpointed pieces of at most `chunk` rows, cut over all the rows as
-    swiglu_experts cuts them (models/moe.py row_pieces: the same pieces and piece counts as one GEMM's), each split
-    at the own rows it holds (known on the host)."""
+    swiglu_experts cuts them (models/moe_experts.py row_pieces: the same pieces and piece counts as one GEMM's),
+    each split at the own rows it holds (known on the host)."""
     if not chunk or rows.shape[0] <= chunk:
         return _own_then_copies(rows, counts, own_rows, *weights, *copies)
     return torch.cat([checkpoint(_own_then_copies, rows[start:stop], piece_counts,
