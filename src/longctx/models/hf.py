@@ -337,10 +337,13 @@ def load_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | 
 def copy_tokenizer_files(source: str | Path, dest: str | Path) -> list[str]:
     """Copy the tokenizer files found in `source` (a Hugging Face directory, or a tokenizer.json file
     with the files beside it that declare its special tokens: the ids config.json takes from them,
-    hf_export.declared_special_ids) into `dest`; the names copied."""
+    hf_export.declared_special_ids; and its chat_template.jinja, which `longctx generate --chat` renders
+    a prompt to the run's checkpoints with: left behind, the export had no template, data/chat_template.py)
+    into `dest`; the names copied."""
     source = Path(source)
     if source.is_file():
-        candidates = [source] + [source.parent / name for name in ("tokenizer_config.json", "special_tokens_map.json")]
+        beside = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+        candidates = [source] + [source.parent / name for name in beside]
     else:
         candidates = [source / name for name in TOKENIZER_FILES]
     copied = []

@@ -26,6 +26,7 @@ from ..data.default_store import default_store
 from ..data.loader import PackedSamples
 from ..data.store import SPLITS, read_manifest, response_only_documents, text_prefix
 from ..data.store_mix import StoreMix, check_same_kind, mix_line
+from ..data.store_template import check_store_template
 from ..data.synthetic import SyntheticMixture
 from ..data.tokenizer import load_tokenizer
 from ..durable import write_text_durably
@@ -229,6 +230,7 @@ def _check_store(cfg: Config, path: str, manifest: dict) -> None:
     want = cfg.data.tokenizer
     if want == "auto" and cfg.model.init_from:
         check_tokenizer_known(cfg)
+    check_store_template(path, tok.get("chat_template"), tok["spec"] if want == "auto" else want)
     if want not in ("auto", tok["spec"]):
         if stored_identity(tok) != tokenizer_identity(want):
             whose = (f"the tokenizer of model.init_from = {cfg.model.init_from!r}" if cfg.model.init_from

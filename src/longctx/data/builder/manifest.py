@@ -8,6 +8,7 @@ import numpy as np
 
 from ...config.tokenizer import tokenizer_identity
 from .. import store
+from ..store_template import template_record
 from .options import BuildOptions
 
 
@@ -34,13 +35,22 @@ def store_manifest(opts: BuildOptions, tokenizer, token_dtype, old: dict | None,
         "tokenizer": {"spec": opts.tokenizer, "name": tokenizer.name, "identity": tokenizer_identity(opts.tokenizer),
                       "vocab_size": int(tokenizer.vocab_size),
                       "eos_id": int(tokenizer.eos_id), "pad_id": int(tokenizer.eos_id),
-                      "text_prefix": tokenizer.text_prefix()},  # what each document begins with
+                      "text_prefix": tokenizer.text_prefix(),  # what each document begins with
+                      **_chat_template(opts, old)},
         "token_dtype": np.dtype(token_dtype).name,
         "inputs": [i for p in parts for i in p["inputs"]],
         "totals": _totals(parts),
         "packing": _packing(parts, opts.seq_len),
         "parts": parts,
     }
+
+
+def _chat_template(opts: BuildOptions, old: dict | None) -> dict:
+    """The template conversations were rendered with (data/store_template.py): this build's, else the store's."""
+    if opts.messages_field:
+        return {"chat_template": template_record(opts.tokenizer)}
+    recorded = (old or {}).get("tokenizer", {}).get("chat_template")
+    return {"chat_template": recorded} if recorded else {}
 
 
 def _totals(parts: list[dict]) -> dict:
