@@ -124,7 +124,7 @@ class ParallelDims:
             grid = torch.arange(self.world_size).reshape(self.expert_data, self.expert)
             self._expert_mesh = comm.mesh_with_backstop(
                 DeviceMesh(device_type, grid, mesh_dim_names=("expert_data", "expert")))
-            # The expert weights' gradients are DTensors on both dims, so their norm (train/step.py
+            # The expert weights' gradients are DTensors on both dims, so their norm (step/gradients.py
             # clip_gradients) is a partial result over both. With this flattened mesh registered,
             # DTensor reduces it in one all-reduce over every rank; without it, in one all-reduce per
             # dim, which PyTorch warns about on every rank ("may give inconsistent results between

@@ -355,9 +355,15 @@ def _first_failure(failures: dict, nproc: int, passed=(), crashed: dict[int, flo
     signalled = failure.exitcode is not None and -failure.exitcode in passed  # (the launcher's signal, not a crash)
     message = (f"rank {first_rank} of {nproc} failed first ({what}); the job was stopped"
                + (f" (ranks {', '.join(map(str, others))} failed after it)" if others else "") + "."
-               + _failed_first_hint(failure.exitcode, what, signalled, command))
+               + (_LOST_FIRST if first_rank in lost and not signalled else
+                  _failed_first_hint(failure.exitcode, what, signalled, command)))
     # (stopped by a signal: the shell's code of a process it ended, 128 + its number, as a signal torchrun catches)
     return RankError(message, 128 - failure.exitcode) if signalled else UserError(message)
+
+
+# (the first rank to fail only lost a peer: its own line points here, and "see its output" would point back)
+_LOST_FIRST = (" It only lost a peer mid-collective (its line above), and no rank failed before it: a rank that left "
+               "the job without an error (exit 0) while the others were in a collective, most likely.")
 
 
 def _failed_first_hint(exitcode: int | None, what: str, signalled: bool, command: str) -> str:

@@ -230,7 +230,6 @@ def _check_store(cfg: Config, path: str, manifest: dict) -> None:
     want = cfg.data.tokenizer
     if want == "auto" and cfg.model.init_from:
         check_tokenizer_known(cfg)
-    check_store_template(path, tok.get("chat_template"), tok["spec"] if want == "auto" else want)
     if want not in ("auto", tok["spec"]):
         if stored_identity(tok) != tokenizer_identity(want):
             whose = (f"the tokenizer of model.init_from = {cfg.model.init_from!r}" if cfg.model.init_from
@@ -241,6 +240,8 @@ def _check_store(cfg: Config, path: str, manifest: dict) -> None:
             raise ConfigError(f"the data store {path} was tokenized with {tok['spec']} but the run's tokenizer is "
                               f"{want} ({whose}); training would read token ids the model does not mean. To fix: "
                               f"{fix}.")
+    # (after the tokenizer: a store of another tokenizer is that, not one of another template)
+    check_store_template(path, tok.get("chat_template"), tok["spec"] if want == "auto" else want)
 
 
 def eval_split_problem(cfg: Config, path, manifest: dict) -> str | None:

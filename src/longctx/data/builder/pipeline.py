@@ -36,6 +36,7 @@ from ...durable import DirectoryInUse, lock_directory
 from ...errors import DataError
 from ...progress import current, phase, progress_bar
 from .. import store
+from ..store_template import check_append_template
 from ..tokenizer import load_tokenizer, tokenizer_digest
 from . import disk_full, scan
 from .assembly import Assembly
@@ -176,6 +177,8 @@ def _open_store(opts: BuildOptions, tok, merge: bool = False) -> tuple[Path, dic
                             f"(its content has changed since: {recorded[:19]} then, {now[:19]} now); an append "
                             f"would store other token ids under the same manifest. Restore that file, or rebuild "
                             f"the store (all its inputs) into a new --out.")
+        if opts.messages_field:
+            check_append_template(root, old, opts.tokenizer)
         had = store.text_prefix(old)
         if had != tok.text_prefix():  # (a store from before documents began with it: its parts would mix)
             raise DataError(f"the store '{root}' holds documents that begin with {had or 'no special tokens'}, but "
