@@ -7,7 +7,9 @@ still exists, else the tokenizer.json the run recorded; when there is none, the 
 config.json carries the special token ids (bos / eos / pad_token_id) the weights mean: those of the
 Hugging Face config.json the run started from (through any longctx checkpoints in between), else
 the recorded tokenizer's (the byte tokenizer's 256 / 257; a tokenizer.json's end-of-document token,
-the one training separated documents with, and the BOS / pad its tokenizer_config.json declares).
+the one training separated documents with, and the BOS / pad its tokenizer_config.json declares). A tokenizer
+with a chat template whose end of turn config.json leaves out also gets a generation_config.json (unless its
+source brought one) naming the ids `longctx generate --chat` stops at: end of turn, then end of document.
 
 OUT is written whole or not at all: everything goes into a temporary directory beside it, synced, and
 is renamed into place when complete (a full disk or a kill mid-write leaves OUT as it was, never a
@@ -36,8 +38,10 @@ from ..config.hf_export import SPECIAL_TOKEN_KEYS, check_exportable, declared_sp
 from ..config.hf_families import MOE_DEFAULTS, QWEN_FAMILIES, family_window
 from ..config.hf_rope import config_reach
 from ..config.tokenizer import source_hf, tokenizer_file, tokenizer_identity
+from ..data.chat_template import load_chat_template, turn_end_id
 from ..data.tokenizer import load_tokenizer
 from ..durable import fsync_path, publish, scratch_dir
+from ..errors import ConfigError
 from ..models.hf import TOKENIZER_FILES, copy_tokenizer_files, save_hf
 from ..models.llama import build_model
 from ..models.moe_eval_routing import dropless_note
@@ -79,6 +83,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
         config = {**json.loads(config_file.read_text()), **ids, **_source_window(cfg), **_source_router_coef(cfg)}
         config_file.write_text(json.dumps(config, indent=2) + "\n")
         tokenizer_note = _tokenizer_reach(work, config_reach(config))
+        turn_note = _chat_stops(work, config)
         (work / EXPORT_MARK).write_text(json.dumps({"format": "longctx-hf-export/1", "checkpoint": str(path),
                                                     "step": manifest.get("step")}, indent=2) + "\n")
         _publish(work, out)
@@ -86,7 +91,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
         raise _write_error(e, model, work, out, dtype) from e
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    notes = (unknown, tokenizer_note, _capacity_note(cfg))
+    notes = (unknown, tokenizer_note, turn_note, _capacity_note(cfg))
     return out, copied, why, export_notes(cfg, trained) + [n for n in notes if n]
 
 
@@ -116,6 +121,33 @@ def _capacity_note(cfg) -> str | None:
     return dropless_note(cfg.moe_capacity_factor if cfg.is_moe else 0.0, "transformers runs the export",
                          "a token's output depend on the other tokens of its call; config.json has no key for it, "
                          "and longctx's eval and generate run the checkpoint dropless too")
+
+
+def _chat_stops(work: Path, config: dict) -> str:
+    """Write generation_config.json with the ids `longctx generate --chat` stops at, the chat template's end of
+    turn first, then config.json's EOS ids (the end of document, for a run from scratch), when the exported
+    tokenizer has a chat template whose end of turn config.json leaves out and no generation_config.json came
+    with the source (an hf: source's own is copied unchanged). transformers' generate stops at
+    generation_config.json's eos_token_id: with config.json's alone, an answer ran on past <|im_end|>. The note
+    says what was written ('': nothing)."""
+    tokenizer_json = work / "tokenizer.json"
+    if (work / "generation_config.json").exists() or not tokenizer_json.is_file():
+        return ""
+    try:
+        template = load_chat_template(str(tokenizer_json))
+    except ConfigError:  # (no template: a base tokenizer, for which config.json's EOS is generate's stop too)
+        return ""
+    eos = config.get("eos_token_id")
+    eos = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+    turn = turn_end_id(template, load_tokenizer(str(tokenizer_json)))
+    if turn is None or turn in eos:
+        return ""
+    stops = [turn, *eos]
+    generation = {k: config.get(k) for k in ("bos_token_id", "pad_token_id") if config.get(k) is not None}
+    (work / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": stops}, indent=2) + "\n")
+    return (f"generation_config.json's eos_token_id is {stops}: the chat template's end of turn "
+            f"{template.special_tokens['eos_token']} (id {turn}), then config.json's EOS {eos}, the ids "
+            f"`longctx generate --chat` stops at (transformers' generate stops at them)")
 
 
 def _tokenizer_reach(work: Path, reach: int) -> str:

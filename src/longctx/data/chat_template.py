@@ -101,6 +101,17 @@ def load_chat_template(tokenizer_spec: str, flag: str = "--chat") -> ChatTemplat
     return ChatTemplate(source, template, specials)
 
 
+def turn_end_id(template: ChatTemplate, tokenizer) -> int | None:
+    """The token that ends the template's turns: the tokenizer's eos_token (tokenizer_config.json's, the
+    `eos_token` the template reads: transformers' tokenizer.eos_token; <|im_end|>, <|eot_id|> for an instruct
+    tokenizer) when it is one token of `tokenizer`; None otherwise (a text of several tokens is no token to stop
+    at). `longctx generate --chat` stops at it (generate/prompts.py with_turn_end), and an export says so to
+    transformers (checkpoint/export.py)."""
+    text = template.special_tokens.get("eos_token")
+    ids = [int(t) for t in tokenizer.encode(text)] if text else []
+    return ids[0] if len(ids) == 1 else None
+
+
 def _special_tokens(declared: dict) -> dict[str, str]:
     """The `*_token` entries of a tokenizer_config.json or special_tokens_map.json, as their text."""
     return {k: token_text(v) for k, v in declared.items() if k.endswith("_token") and token_text(v) is not None}

@@ -272,14 +272,15 @@ def with_turn_end(eos: list[int], spec: str, tokenizer) -> tuple[list[int], str]
     <|eot_id|>), which the model's generation_config.json or config.json may leave out (none there, or a base
     model's end of text only): the row then ran past the answer into a next turn the model made up. vLLM stops
     at the tokenizer's eos_token too."""
-    from ..data.chat_template import load_chat_template
+    from ..data.chat_template import load_chat_template, turn_end_id
 
-    text = load_chat_template(spec).special_tokens.get("eos_token")
-    ids = [int(t) for t in tokenizer.encode(text)] if text else []
-    if len(ids) != 1 or ids[0] in eos:  # (a text of several tokens is no token to stop at)
+    template = load_chat_template(spec)
+    turn = turn_end_id(template, tokenizer)
+    if turn is None or turn in eos:
         return eos, ""
-    return [*eos, ids[0]], (f"--chat: the tokenizer's eos_token {text} (id {ids[0]}), which ends the chat "
-                            f"template's turns, also ends a generation (the model's EOS ids {eos} leave it out)")
+    return [*eos, turn], (f"--chat: the tokenizer's eos_token {template.special_tokens['eos_token']} (id {turn}), "
+                          f"which ends the chat template's turns, also ends a generation (the model's EOS ids {eos} "
+                          f"leave it out)")
 
 
 def encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m, reach) -> tuple[list[int], list[str]]:

@@ -339,18 +339,19 @@ def copy_tokenizer_files(source: str | Path, dest: str | Path) -> list[str]:
     with the files beside it that declare its special tokens: the ids config.json takes from them,
     hf_export.declared_special_ids; and its chat_template.jinja, which `longctx generate --chat` renders
     a prompt to the run's checkpoints with: left behind, the export had no template, data/chat_template.py)
-    into `dest`; the names copied."""
+    into `dest`; the names copied. A tokenizer file of another name (my_tok.json) is copied as tokenizer.json,
+    the name AutoTokenizer.from_pretrained looks for, and said so: "tokenizer.json (from my_tok.json)"."""
     source = Path(source)
     if source.is_file():
         beside = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-        candidates = [source] + [source.parent / name for name in beside]
+        candidates = [(source, "tokenizer.json")] + [(source.parent / name, name) for name in beside]
     else:
-        candidates = [source / name for name in TOKENIZER_FILES]
+        candidates = [(source / name, name) for name in TOKENIZER_FILES]
     copied = []
-    for file in candidates:
+    for file, name in candidates:
         if file.is_file():
-            shutil.copyfile(file, Path(dest) / file.name)
-            copied.append(file.name)
+            shutil.copyfile(file, Path(dest) / name)
+            copied.append(name if file.name == name else f"{name} (from {file.name})")
     return copied
 
 
