@@ -255,11 +255,11 @@ def _run(request: GenerateRequest, args) -> int:
     """Generate every prompt on this rank (every rank the same tokens); rank 0 writes the lines."""
     import torch
 
-    from ..job.devices import resolve_dtype
     from ..models.recompiles import RecompileWatch
     from .engine import generate
-    from .loading import backend_for, load_model
+    from .loading import backend_for
     from .output import Output
+    from .run_phase import counting, prompts_phase
     from .sampling import derive_seed, sample_seed
 
     backend, device, main_rank = backend_for(request.cfg)
@@ -268,15 +268,8 @@ def _run(request: GenerateRequest, args) -> int:
         from .context_memory import describe, memory_backend
 
         memory = memory_backend(request.memory, backend)
-    dtype = resolve_dtype(request.cfg.train.dtype, device)
-    model = load_model(request.cfg, device, dtype)
-    if main_rank:
-        _say_run(request, args, device, dtype)
-    step = _warm_up(request, args, model, device, backend, main_rank, memory is not None)
+    model, step, draft = _models(request, args, device, backend, main_rank, memory is not None)
     samples = args.num_samples
-    draft = _load_draft(request, args, model, device, dtype, main_rank)
-    if step and draft is not None:  # (the verifications' buckets and the draft's steps, before the first timing)
-        _warm_up_draft(step, model, draft, request, args, backend)
     if memory is not None and main_rank:
         say(describe(memory, args.prefill_chunk))
     # --compile: a compile after the warm-up is a line (said) and counts in the output lines' compile_recompiles
@@ -285,8 +278,10 @@ def _run(request: GenerateRequest, args) -> int:
     size = 1 if draft is not None or memory is not None else args.batch
     eos = [] if args.ignore_eos else request.eos_ids
     # (--output is FILE.partial until the last line is in: output.py)
+    # (and a phase: the prompts said while they run, their new tokens counted; run_phase.py)
     with Output(request.tokenizer, args.stop, args.output, len(request.prompts) * samples,
-                sum(request.limits) * samples, main_rank, args.echo) as output:
+                sum(request.limits) * samples, main_rank, args.echo) as output, \
+            prompts_phase(request.prompts, request.limits, samples) as progress:
         for start in range(0, len(request.prompts), size):
             batch = request.prompts[start:start + size]
             # each prompt's own seed, else one from the run's and its index in the file (generate/sampling.py)
@@ -298,12 +293,13 @@ def _run(request: GenerateRequest, args) -> int:
             else:
                 results = generate(model, [p["ids"] for p in batch], max_new_tokens=request.limits[start:start + size],
                                    sampling=request.sampling, eos_ids=eos, prefill_chunk=args.prefill_chunk,
-                                   stop=output.stops, on_token=output.on_token, device=device,
+                                   stop=output.stops, on_token=counting(output.on_token, progress), device=device,
                                    backend=memory or backend,
                                    seeds=seeds, num_samples=samples, logprobs=args.logprobs, compile=step)
             _note_recompiles(watch, results, start, main_rank)
             for i, r in enumerate(results):  # (prompt-major: a prompt's samples together)
                 output.write(batch[i // samples], r, speculative=draft is not None, samples=samples)
+                progress.update(len(r.tokens) if draft is not None else 0)  # (plain decoding's counted as chosen)
             output.flush()
             del results
             if device.type == "cuda":
@@ -311,6 +307,22 @@ def _run(request: GenerateRequest, args) -> int:
     if args.output and main_rank:
         say(f"generate: wrote {args.output}")
     return 0
+
+
+def _models(request: GenerateRequest, args, device, backend, main_rank: bool, one_row: bool):
+    """The model (read, said on rank 0, warmed up), --compile's step and --draft's model (or None)."""
+    from ..job.devices import resolve_dtype
+    from .loading import load_model
+
+    dtype = resolve_dtype(request.cfg.train.dtype, device)
+    model = load_model(request.cfg, device, dtype)
+    if main_rank:
+        _say_run(request, args, device, dtype)
+    step = _warm_up(request, args, model, device, backend, main_rank, one_row)
+    draft = _load_draft(request, args, model, device, dtype, main_rank)
+    if step and draft is not None:  # (the verifications' buckets and the draft's steps, before the first timing)
+        _warm_up_draft(step, model, draft, request, args, backend)
+    return model, step, draft
 
 
 def _warm_up_draft(step, model, draft, request: GenerateRequest, args, backend) -> None:

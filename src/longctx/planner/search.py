@@ -26,6 +26,7 @@ from ..costs.host_bytes import TIERS, device_state_bytes
 from ..costs.shape import MeshShape
 from ..costs.timing import exposed_fsdp_seconds, predicted_block_forward_seconds
 from ..memory.policy import MemoryPolicy
+from ..progress import Phase, phase
 from .candidate_cache import (
     Caches,
     Layout,
@@ -147,10 +148,16 @@ def held(req: Request, shape: MeshShape) -> bool:
 def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> PlanResult:
     """Every candidate that fits, ranked by predicted step time (a Ranking: timed as read; the best is
     timed here). keep_infeasible: when nothing fits, every candidate ranked by memory (all timed), for
-    the table and the suggestions."""
+    the table and the suggestions. A progress phase (progress.py): a search of millions of candidates
+    (experts, micro-batches, tiers and offloads to try) takes minutes, said while it runs, in mesh shapes."""
+    with phase(f"plan: searching the candidates on {req.gpus:,} GPUs", done_line=False) as progress:
+        return _plan(req, keep_infeasible, explain, progress)
+
+
+def _plan(req: Request, keep_infeasible: bool, explain: bool, progress: Phase) -> PlanResult:
     t0 = time.perf_counter()
     caches = Caches()
-    found, evaluated = _evaluate(req, False, caches)
+    found, evaluated = _evaluate(req, False, caches, progress=progress)
 
     def complete(fp: Footprint) -> Estimate:
         return timed(req.model, req.hardware, fp, seq_len=req.seq_len, global_batch=req.global_batch,
@@ -167,7 +174,7 @@ def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> Pl
         ranked, held_out = (Ranking(part, complete, _sort_key, bound) for part in split)
         ranked[:1]  # the best, within the search's seconds
     else:
-        found, more = _evaluate(req, True, caches)
+        found, more = _evaluate(req, True, caches, progress=progress)
         evaluated += more
         every = sorted(map(complete, found), key=_sort_key)
         ranked, held_out = [e for e in every if not held(req, e.mesh_shape)], []
@@ -177,11 +184,15 @@ def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> Pl
     return res
 
 
-def _evaluate(req: Request, keep_infeasible: bool, caches: Caches,
-              first_only: bool = False) -> tuple[list[Footprint], int]:
+def _evaluate(req: Request, keep_infeasible: bool, caches: Caches, first_only: bool = False,
+              progress: Phase | None = None) -> tuple[list[Footprint], int]:
     """Every candidate's footprint in its first tier that fits (keep_infeasible: every tier's, when none
-    does); first_only: stop at the first that fits (whether any does). caches: the request's Caches."""
+    does); first_only: stop at the first that fits (whether any does). caches: the request's Caches.
+    progress: the phase that counts the mesh shapes done (plan's), if any."""
     hw, m = req.hardware, req.model
+    shapes = candidate_shapes(req)
+    progress = progress if progress is not None else Phase("")  # (one nobody reads)
+    progress.expect(len(shapes), "mesh shapes")
     pols = policies(req)
     # every policy in both gradient-sync variants, in policy order, made once (not per shape and micro-batch:
     # tens of thousands of dataclass copies), each with its index (of its grad_sync step variant) and grad_sync
@@ -191,7 +202,8 @@ def _evaluate(req: Request, keep_infeasible: bool, caches: Caches,
                 for syncs in (("step",), ("step", "micro_batch"))}
     results: list[Footprint] = []
     evaluated = 0
-    for shape in candidate_shapes(req):
+    for done, shape in enumerate(shapes):
+        progress.done = done
         # model states alone, in each tier: prune every policy of this shape if none of them fits
         static = {t: sum(device_state_bytes(m, shape, t, hw.dtype_bytes).values()) for t in req.model_states}
         if min(static.values()) > hw.usable_memory_bytes and not keep_infeasible:

@@ -48,6 +48,7 @@ from ..job.spawn import run_spawned
 from ..memory.block_parts import compute_bytes
 from ..memory.hier_counts import hierarchical
 from ..memory.policy import MemoryPolicy
+from ..progress import phase
 from .cost import estimate
 from .documents import doc_work_of_ids
 from .validate_experts import received_skews
@@ -151,7 +152,8 @@ def case_config(case: Case):
 
 def run_case(case: Case, hw, steps: int = 3, warmup: int = 1) -> dict:
     cfg = case_config(case)
-    per_rank = run_spawned(case.world, case_worker, to_dict(cfg), steps, warmup, threads=1)
+    with phase(f"plan --validate: case {case.name} on {case.world} ranks", done_line=False):  # (minutes: said)
+        per_rank = run_spawned(case.world, case_worker, to_dict(cfg), steps, warmup, threads=1)
     est, predicted = _predict(case, hw, cfg)
     expert_rows = _expert_rows(case, cfg, per_rank, hw)
     if expert_rows:  # the most loaded rank against the prediction at its measured skew
@@ -252,7 +254,8 @@ def run_ranking(cases: list[Case], hw, rounds: int = 5) -> list[dict]:
     if any(c.world != world for c in cases):
         raise ValueError("ranking cases must share one world size (the same processes run them all)")
     cfgs = [case_config(c) for c in cases]
-    per_rank = run_spawned(world, ranking_worker, [to_dict(c) for c in cfgs], rounds, threads=1)
+    with phase(f"plan --validate: {rounds} rounds of {len(cases)} ranking cases on {world} ranks", done_line=False):
+        per_rank = run_spawned(world, ranking_worker, [to_dict(c) for c in cfgs], rounds, threads=1)
     rows = []
     for i, (case, cfg) in enumerate(zip(cases, cfgs)):
         est, predicted = _predict(case, hw, cfg)
@@ -283,7 +286,8 @@ def ranking_agreement(rows: list[dict]) -> dict:
 
 
 def main(args=None, cases=None, ranking_cases=None, steps: int = 3, world_for_calibration: int = 4) -> int:
-    hw = calibrate(world=world_for_calibration)
+    with phase(f"plan --validate: measuring this machine on {world_for_calibration} ranks", done_line=False):
+        hw = calibrate(world=world_for_calibration)  # (spawned ranks, tens of seconds on a loaded machine)
     print(strict_json.dumps({"calibrated": hw.source, "peak_tflops": hw.peak_tflops,
                       "attention_efficiency": hw.attention_efficiency}), file=sys.stderr, flush=True)
     out = {"bench": "planner_validate", "date": date.today().isoformat(), "hardware": hw.__dict__, "bytes": [],

@@ -107,9 +107,10 @@ class Trainer:
         self.early_signals = EarlySignals(cfg.checkpoint.on_signal if cfg.checkpoint.saves_or_resumes else "")
         self.run_lock = RunLock()  # the run directory held by this run until it ends (run_lock.py; rank 0's)
         try:  # (in the order the parts need each other: the job, the model and its step, the data and checkpoints)
-            self._join(cfg, log)
-            self._build()
-            self._open_run(read_ahead)
+            with phase("training set-up", done_line=False):  # (a big model's init or a resume's read: minutes)
+                self._join(cfg, log)
+                self._build()
+                self._open_run(read_ahead)
         except BaseException:
             self.run_lock.release()
             raise
