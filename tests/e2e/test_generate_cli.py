@@ -177,10 +177,11 @@ def test_no_tokenizer_says_use_tokenizer(tmp_path):
 
 
 def test_bench_generate_prints_json():
-    r = longctx("bench", "generate", "--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn-dim",
-                "128", "--vocab", "512", "--prompt-len", "64", "--new-tokens", "8", "--repeats", "1",
-                "--memory-lengths", "256,512", "--prefill-chunk", "128", "--sharded", "1x2", "--sharded-lengths",
-                "256,512")
+    # (in this process: a new interpreter buys nothing here; its sharded ranks are spawned either way)
+    r = longctx_here("bench", "generate", "--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+                     "--ffn-dim", "128", "--vocab", "512", "--prompt-len", "64", "--new-tokens", "8", "--repeats", "1",
+                     "--memory-lengths", "256,512", "--prefill-chunk", "128", "--sharded", "1x2", "--sharded-lengths",
+                     "256,512")
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout)
     assert result["same_tokens"] and result["decode_ratio"] > 0
