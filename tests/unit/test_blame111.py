@@ -217,7 +217,19 @@ def test_the_launcher_learns_which_ranks_torchrun_signalled_from_its_agent(tmp_p
     assert caught.value.exit_code == 143 and not shown
 
 
-def test_torchruns_agent_still_says_which_processes_it_signals(tmp_path):
+@pytest.fixture
+def handlers_kept():
+    """torch's process context installs its own handler of these signals for good (PContext.start): put back the
+    worker's, else a later test in this process meets torch's SIGTERM handler (eval's terminated_raises then, as it
+    should, leaves a handler it did not install alone, and test_eval_lost_sigterm110 failed in a full run)."""
+    signals = [s for s in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, s)]
+    before = {s: signal.getsignal(getattr(signal, s)) for s in signals}
+    yield
+    for s, handler in before.items():
+        signal.signal(getattr(signal, s), handler)
+
+
+def test_torchruns_agent_still_says_which_processes_it_signals(tmp_path, handlers_kept):
     """torch's own words, which torchrun_signals reads: a real torchrun process context closing two workers."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
