@@ -45,9 +45,8 @@ from collections.abc import Iterable, Iterator
 from itertools import accumulate
 from pathlib import Path
 
-from ...errors import DataError
 from .corpus import Document
-from .table_readers import import_pyarrow, iter_arrow, iter_parquet
+from .table_readers import data_extra, import_pyarrow, iter_arrow, iter_parquet
 
 COMPRESSION_SUFFIXES = {".gz", ".zst"}
 CHUNK = 1 << 20  # bytes read (or decompressed) at a time when streaming a file
@@ -125,17 +124,6 @@ def unit_format(path: Path) -> tuple[str | None, str | None]:
 
 # -- the optional libraries, imported when a unit needs them -------------------------------------
 
-def _zstandard(path: Path):
-    try:  # an optional package (the `data` extra)
-        import zstandard
-    except ImportError:
-        raise DataError(
-            f"reading '{path}' needs zstandard, which is not installed; install the data extra with "
-            f"pip install 'longctx[data]' (or pip install zstandard)."
-        ) from None
-    return zstandard
-
-
 def check_libraries(files: list[Path]) -> None:
     """A missing optional library is an error now, before anything is read or written."""
     for f in files:
@@ -144,7 +132,7 @@ def check_libraries(files: list[Path]) -> None:
             break
     for f in files:
         if unit_format(f)[1] == ".zst":
-            _zstandard(f)
+            data_extra("zstandard", f)
             break
 
 
@@ -170,7 +158,7 @@ def _gzip_chunks(f) -> Iterator[bytes]:
 def _zstd_chunks(f, path: Path) -> Iterator[bytes]:
     # One decompressobj per frame, not read_across_frames: only a frame that ends says the data is
     # complete, so a truncated file is caught instead of silently yielding less.
-    zstd = _zstandard(path)
+    zstd = data_extra("zstandard", path)
     dctx = zstd.ZstdDecompressor()
     frame, started = dctx.decompressobj(), False
     try:

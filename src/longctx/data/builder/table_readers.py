@@ -1,6 +1,6 @@
 """Parquet and Arrow units (readers.py iter_file reads the rest): their record batches' columns made documents
 ROWS values at a time, a corrupt file counted under its skip reason, a missing or non-text column a DataError;
-pyarrow, the optional package they need, imported when one is read."""
+pyarrow, the optional package they need, imported when one is read (data_extra: any of the `data` extra's packages)."""
 
 from __future__ import annotations
 
@@ -14,17 +14,23 @@ from .corpus import Document
 ROWS = 4096  # parquet / arrow values converted to Python at a time
 
 
-def import_pyarrow(path: Path):
-    try:  # an optional package (the `data` extra)
-        import pyarrow
-        import pyarrow.ipc  # noqa: F401
-        import pyarrow.parquet  # noqa: F401
+def data_extra(package: str, path: Path, *parts: str):
+    """`package`, one of the `data` extra's optional packages (with its submodules `parts`), imported to read `path`;
+    a DataError naming how to install it where it is missing (through the import statement's own __import__)."""
+    try:
+        module = __import__(package)
+        for part in parts:
+            __import__(f"{package}.{part}")
     except ImportError:
         raise DataError(
-            f"reading '{path}' needs pyarrow, which is not installed; install the data extra with "
-            f"pip install 'longctx[data]' (or pip install pyarrow)."
+            f"reading '{path}' needs {package}, which is not installed; install the data extra with "
+            f"pip install 'longctx[data]' (or pip install {package})."
         ) from None
-    return pyarrow
+    return module
+
+
+def import_pyarrow(path: Path):
+    return data_extra("pyarrow", path, "ipc", "parquet")
 
 
 def _column_problem(kind: str, path: Path, fields: list[tuple], schema) -> DataError | None:
