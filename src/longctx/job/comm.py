@@ -400,6 +400,16 @@ def broadcast_object(obj, mesh, src: int = 0):
     return box[0]
 
 
+def all_gather_object(obj, mesh) -> list:
+    """Every rank's picklable object of the 1-D mesh, by group rank, on each rank (not byte-counted: control data)."""
+    if mesh.size() == 1:
+        return [obj]
+    out = [None] * mesh.size()
+    with _own():
+        dist.all_gather_object(out, obj, group=group_of(mesh))
+    return out
+
+
 def broadcast_object_in_group(obj, group, src: int = 0):
     """Global rank `src`'s picklable object on every rank of a process group (one not part of a mesh,
     e.g. the checkpoint manager's own group); not byte-counted: control data."""

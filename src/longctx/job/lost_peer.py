@@ -13,17 +13,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import signal
 
 # The process group's own words for a peer that went away, as torch raises them (a RuntimeError / DistBackendError).
-# gloo (third_party/gloo/gloo/transport/tcp/pair.cc): the peer's socket closed ("Connection closed by peer"), or a
-# read or write on it failed with the system's ECONNRESET / EPIPE text. NCCL (torch's NCCLUtils getNcclErrorDetailStr
-# and NCCL's own ncclGetErrorString for ncclRemoteError). A timeout is not among them: a peer that is slow, stuck or
-# gone looks the same there, and the watchdog (parallel.timeout_s) says which.
+# gloo (third_party/gloo/gloo/transport/tcp/pair.cc, GLOO_ERROR_MSG: "[<file>:<line>] " first, then the peer's
+# address as Address::str() writes it, "[127.0.0.1]:55716"): the peer's socket closed ("Connection closed by peer
+# [addr]"), or a read or write on it failed with the system's ECONNRESET / EPIPE text ("Read error [addr]: Connection
+# reset by peer", "writev [addr]: Broken pipe"). Only that whole shape counts: "Broken pipe" or "Connection reset by
+# peer" anywhere else is a pipe or socket of the rank's own (a data worker's, a subprocess's), its own error. NCCL
+# (torch's NCCLUtils getNcclErrorDetailStr and NCCL's own ncclGetErrorString for ncclRemoteError). A timeout is not
+# among them: a peer that is slow, stuck or gone looks the same there, and the watchdog (parallel.timeout_s) says
+# which.
+_GLOO_PEER = r"\[[^\]\s]*\](?::\d+)?(?:\$\d+)?"  # (Address::str(): "[ip]:port", "[ip]", a "$seq" after it)
+GLOO_LOST_PEER = re.compile(rf"pair\.cc:\d+\] (?:Connection closed by peer {_GLOO_PEER}|(?:Read error|writev) "
+                            rf"{_GLOO_PEER}: (?:Connection reset by peer|Broken pipe))")
 LOST_PEER_TEXTS = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
     "ncclRemoteError",
     "remote process exited or there was a network error",
 )
@@ -59,12 +64,14 @@ def root_error(error: BaseException) -> BaseException:
 
 
 def lost_a_peer(error: BaseException) -> bool:
-    """Whether `error` began as the process group's loss of a peer (LOST_PEER_TEXTS): not this rank's own failure
-    but its echo. Only the chain's first error counts: a lost peer in a clean-up after an error of the rank's own
-    (a collective in a `finally`) is the echo, and the rank's own error the cause. torch raises these as a
+    """Whether `error` began as the process group's loss of a peer (GLOO_LOST_PEER, LOST_PEER_TEXTS): not this rank's
+    own failure but its echo. Only the chain's first error counts: a lost peer in a clean-up after an error of the
+    rank's own (a collective in a `finally`) is the echo, and the rank's own error the cause. torch raises these as a
     RuntimeError (DistBackendError is one); an OSError's "Broken pipe" is a closed stdout, this rank's own."""
     root = root_error(error)
-    return isinstance(root, RuntimeError) and any(t in str(root) for t in LOST_PEER_TEXTS)
+    text = str(root)
+    return isinstance(root, RuntimeError) and (GLOO_LOST_PEER.search(text) is not None
+                                               or any(t in text for t in LOST_PEER_TEXTS))
 
 
 class _TorchrunSignals(logging.Filter):

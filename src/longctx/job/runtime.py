@@ -88,6 +88,10 @@ class Runtime:
     def broadcast(self, obj):
         return obj if self.world_mesh is None else comm.broadcast_object(obj, self.world_mesh)
 
+    def gather(self, obj) -> list:
+        """Every rank's picklable `obj`, by rank, on every rank (control data, at a metrics line: a hook's notes)."""
+        return [obj] if self.world_mesh is None else comm.all_gather_object(obj, self.world_mesh)
+
     def comm_bytes(self) -> list[float]:
         """Bytes sent by this rank so far over each tracked mesh dim (from comm's counters)."""
         c = comm.counters()

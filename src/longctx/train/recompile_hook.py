@@ -8,7 +8,11 @@ limit (8) leaves the region running eagerly for the rest of the run (models/reco
 a line naming the region, the guard dynamo says failed and what to do, and counts in the metrics line's
 `compile_recompiles` (since the last line, max over ranks); a region refused by the limit is a WARNING line and
 counts in `compile_limit_hits` (since the job started), on every line after, so a run that lost its compiled speed
-says so wherever its metrics are read. ZeRO++'s compiled int8 kernels (parallel.zero_pp_kernels, compiled at
+says so wherever its metrics are read. Only rank 0 prints: another rank's recompiles (a shape only it sees) travel
+to rank 0 at the next metrics line, beside the collective that line makes anyway (an object gather more only at a
+line where some rank has a cause it has not sent before), and are said there once per cause (a function and the
+guard that failed; one rank 0 said itself is not said again), naming the ranks that had it; in a job of several
+ranks, rank 0's own lines name rank 0. ZeRO++'s compiled int8 kernels (parallel.zero_pp_kernels, compiled at
 set-up) are watched the same way, with or without train.compile.
 
 Not an error: past the limit the region runs as train.compile=false runs it, with the same numbers and at eager
@@ -53,6 +57,9 @@ class RecompileHook(StepHook):
         self._per_function: dict[str, int] = {}  # recompiles said so far, per region
         self._steps_seen = self._evals_seen = 0
         self._said = False  # a recompile line said already (the first explains)
+        self._rank, self._world = getattr(rt, "rank", 0), getattr(rt, "world", 1)
+        self._unsent: list[tuple[str, tuple]] = []  # (another rank) its reads' new causes, for rank 0 to say
+        self._causes: set[tuple] = set()  # (rank 0) the causes said; (another rank) the causes sent to rank 0
 
     def after_optimizer(self, step: int, applied) -> None:
         self._steps_seen += 1
@@ -64,8 +71,11 @@ class RecompileHook(StepHook):
         return None
 
     def log_fields(self, step: int, last: bool) -> dict:
-        recompiles, hits = self.rt.max([float(self.recompiles), float(len(self._eager))])
-        self.recompiles = 0
+        recompiles, hits, unsent = self.rt.max([float(self.recompiles), float(len(self._eager)),
+                                                float(len(self._unsent))])
+        if unsent:  # (every rank: the max is the same on all)
+            self._say_other_ranks(self.rt.gather(self._unsent))
+        self.recompiles, self._unsent = 0, []
         return {"compile_recompiles": int(recompiles), **({"compile_limit_hits": int(hits)} if hits else {})}
 
     def _read(self, when: str, warm_up: bool) -> None:
@@ -75,26 +85,69 @@ class RecompileHook(StepHook):
         for r in recompiles:
             if r.limit_hit and r.function not in self._eager:  # (a function refused again, from another caller: once)
                 self._eager.add(r.function)
-                self.log(limit_hit_line(self.name, self.off, r, when))
+                self._note(when, (r,), lambda where, r=r: limit_hit_line(self.name, self.off, r, when, where))
         plain = [r for r in recompiles if not r.limit_hit]
         if warm_up or not plain:
             return
         self.recompiles += len(plain)
         for r in plain:
             self._per_function[r.function] = self._per_function.get(r.function, 0) + 1
-        self.log(recompile_line(self.name, plain, when, self._per_function[plain[0].function], first=not self._said))
+        n, first = self._per_function[plain[0].function], not self._said
+        self._note(when, tuple(plain), lambda where: recompile_line(self.name, plain, when, n, first, where))
         self._said = True
 
+    def _note(self, when: str, recompiles: tuple, line) -> None:
+        """Rank 0 says `line(where)` at once; another rank keeps the causes it has not sent yet for the next metrics
+        line's gather (_say_other_ranks)."""
+        if self._rank == 0:
+            self.log(line(" on rank 0" if self._world > 1 else ""))
+            self._causes.update(map(_cause, recompiles))
+            return
+        new = tuple(r for r in recompiles if _cause(r) not in self._causes)
+        if new:
+            self._causes.update(map(_cause, new))
+            self._unsent.append((when, new))
 
-def recompile_line(name: str, plain: list, when: str, n: int, first: bool) -> str:
+    def _say_other_ranks(self, sent: list) -> None:
+        """On rank 0, from every rank's unsent reads (`sent`, by rank): a line per read with a cause not said yet,
+        naming the ranks that sent its first such cause (a new shape recompiles the same functions on each)."""
+        if self._rank != 0:
+            return
+        ranks: dict[tuple, list[int]] = {}
+        for rank, reads in enumerate(sent):
+            for _, recompiles in reads:
+                for r in recompiles:
+                    ranks.setdefault(_cause(r), []).append(rank)
+        for reads in sent:
+            for when, recompiles in reads:
+                new = [r for r in recompiles if _cause(r) not in self._causes]
+                if not new:
+                    continue
+                self._causes.update(map(_cause, new))
+                who = sorted(set(ranks[_cause(new[0])]))
+                where = f" on rank{'s' if len(who) > 1 else ''} {', '.join(map(str, who))}"
+                if new[0].limit_hit:
+                    self.log(limit_hit_line(self.name, self.off, new[0], when, where))
+                    continue
+                self.log(recompile_line(self.name, new, when, 1, not self._said, where))
+                self._said = True
+
+
+def _cause(r) -> tuple:
+    """What a recompile line is said once for: the function and the guard that failed (a limit hit: the function)."""
+    return (r.function, r.limit_hit, "" if r.limit_hit else r.reason)
+
+
+def recompile_line(name: str, plain: list, when: str, n: int, first: bool, where: str = "") -> str:
     """One read's recompiles (not limit hits) in a line: the functions, the first one's guard and, for one function,
-    its recompile count `n` so far; the run's `first` such line says what recompiles may lead to."""
+    its recompile count `n` so far; the run's `first` such line says what recompiles may lead to; `where`: the
+    rank(s), " on rank 1", in a job of several."""
     functions = list(dict.fromkeys(r.function for r in plain))  # (in order, once each)
     if len(functions) == 1:
-        what = functions[0] + f" compiled again {when}" + (f", its recompile {n}" if n > 1 else "")
+        what = functions[0] + f" compiled again{where} {when}" + (f", its recompile {n}" if n > 1 else "")
     else:
         listed = ", ".join(functions[:6]) + (", ..." if len(functions) > 6 else "")
-        what = f"{len(functions)} functions compiled again {when} ({len(plain)} compiles: {listed})"
+        what = f"{len(functions)} functions compiled again{where} {when} ({len(plain)} compiles: {listed})"
     guard = f"the guard that failed{' (of the first)' if len(functions) > 1 else ''}: {plain[0].reason}"
     if not first:
         return f"{name}: {what}; {guard}"
@@ -104,9 +157,9 @@ def recompile_line(name: str, plain: list, when: str, n: int, first: bool) -> st
             f"reason.")
 
 
-def limit_hit_line(name: str, off: str, r, when: str) -> str:
+def limit_hit_line(name: str, off: str, r, when: str, where: str = "") -> str:
     return (f"{name}: WARNING: {r.function} reached torch._dynamo's recompile limit ({recompile_limit()} "
-            f"compiles) {when} and runs EAGERLY from here to the end of the run: the same numbers, without the "
+            f"compiles){where} {when} and runs EAGERLY from here to the end of the run: the same numbers, without the "
             f"compiled speed (compile_limit_hits in the metrics). The guard that failed: {r.reason}. The usual cause "
             f"is a value the compiled code reads that changes every step (a Python number: make it a tensor, or run "
             f"that function eagerly, ops/eager.py eager_under_compile); {off} runs it eagerly from the start (the "
