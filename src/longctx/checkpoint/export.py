@@ -38,10 +38,9 @@ from ..config.hf_export import SPECIAL_TOKEN_KEYS, check_exportable, declared_sp
 from ..config.hf_families import MOE_DEFAULTS, QWEN_FAMILIES, family_window
 from ..config.hf_rope import config_reach
 from ..config.tokenizer import source_hf, tokenizer_file, tokenizer_identity
-from ..data.chat_template import load_chat_template, turn_end_id
+from ..data.chat_template import NoChatTemplate, load_chat_template, turn_end_id
 from ..data.tokenizer import load_tokenizer
 from ..durable import fsync_path, publish, scratch_dir
-from ..errors import ConfigError
 from ..models.hf import TOKENIZER_FILES, copy_tokenizer_files, save_hf
 from ..models.llama import build_model
 from ..models.moe_eval_routing import dropless_note
@@ -135,7 +134,8 @@ def _chat_stops(work: Path, config: dict) -> str:
         return ""
     try:
         template = load_chat_template(str(tokenizer_json))
-    except ConfigError:  # (no template: a base tokenizer, for which config.json's EOS is generate's stop too)
+    except NoChatTemplate:  # (a base tokenizer, for which config.json's EOS is generate's stop too; an unreadable
+        # template is its own error, not "none")
         return ""
     eos = config.get("eos_token_id")
     eos = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]

@@ -5,7 +5,9 @@ the prompt of `longctx generate --chat` (with the generation prompt), and the co
 
 - Where the template is: beside the tokenizer.json in use, `chat_template.jinja` first, else
   tokenizer_config.json's `chat_template` (a string, or a list of named templates, of which
-  "default"), the order transformers reads them in.
+  "default"), the order transformers reads them in. One there that cannot be read (a link to nothing, not
+  UTF-8, empty) or a malformed tokenizer_config.json is an error naming the file, never taken for none
+  (NoChatTemplate: the tokenizer has none) nor passed over for the next place.
 - How it renders: Jinja in a sandbox (templates come from model hubs: untrusted code), blocks
   trimmed as transformers does (trim_blocks, lstrip_blocks, loop controls), with its helpers
   (raise_exception, tojson without HTML escaping, strftime_now, the `{% generation %}` block) and the
@@ -68,37 +70,63 @@ class ChatTemplate:
         return hashlib.sha256(json.dumps([self.template, self.special_tokens], sort_keys=True).encode()).hexdigest()
 
 
+class NoChatTemplate(ConfigError):
+    """The tokenizer has no chat template (none beside it, or the byte tokenizer): what a caller for which that is
+    an answer (train's store check, an export) catches; a template file that is there but cannot be read, or a
+    malformed tokenizer_config.json, is a plain ConfigError naming the file, never read as none."""
+
+
 def load_chat_template(tokenizer_spec: str, flag: str = "--chat") -> ChatTemplate:
-    """The chat template beside the tokenizer.json `tokenizer_spec` names; a ConfigError saying what
-    to do when there is none (naming `flag`, the option that asked for it)."""
+    """The chat template beside the tokenizer.json `tokenizer_spec` names; a NoChatTemplate saying what
+    to do when there is none (naming `flag`, the option that asked for it), a ConfigError naming the file
+    and why when one is there but cannot be read (a template read as none would be checked as none)."""
     if tokenizer_spec == "byte":
-        raise ConfigError(f"{flag} applies the tokenizer's chat template, and the byte tokenizer has none; use a "
-                          f"model whose tokenizer comes with one (tokenizer_config.json's chat_template, or "
-                          f"chat_template.jinja), or drop {flag}.")
+        raise NoChatTemplate(f"{flag} applies the tokenizer's chat template, and the byte tokenizer has none; use a "
+                             f"model whose tokenizer comes with one (tokenizer_config.json's chat_template, or "
+                             f"chat_template.jinja), or drop {flag}.")
     spec = Path(tokenizer_spec)
     folder = spec if spec.is_dir() else spec.parent  # (--tokenizer DIR names the folder holding tokenizer.json)
     config_file = folder / "tokenizer_config.json"
-    config = _read_json(config_file, flag) if config_file.is_file() else {}
+    config = _read_json(config_file, flag) if _present(config_file) else {}
     jinja_file = folder / "chat_template.jinja"
-    if jinja_file.is_file():
-        try:
-            template, source = jinja_file.read_text(encoding="utf-8"), str(jinja_file)
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{flag}: {jinja_file} cannot be read as UTF-8 text ({e}).") from None
+    if _present(jinja_file):  # (one that cannot be read is said, not passed over for tokenizer_config.json's)
+        template, source = _read_jinja(jinja_file, flag), str(jinja_file)
     else:
         template, source = _named_default(config.get("chat_template"), config_file, flag), str(config_file)
     if not template:
-        raise ConfigError(f"{flag}: the tokenizer in {folder} has no chat template (no chat_template.jinja, and no "
-                          f"chat_template in tokenizer_config.json); its model was not tuned for chat. Drop {flag}, "
-                          f"or pass --tokenizer PATH/tokenizer.json of a tokenizer with one.")
+        raise NoChatTemplate(f"{flag}: the tokenizer in {folder} has no chat template (no chat_template.jinja, and "
+                             f"no chat_template in tokenizer_config.json); its model was not tuned for chat. Drop "
+                             f"{flag}, or pass --tokenizer PATH/tokenizer.json of a tokenizer with one.")
     specials = _special_tokens(config)
     # a tokenizer saved without added_tokens_decoder (the older layout) keeps its special tokens in
     # special_tokens_map.json, which transformers reads over tokenizer_config.json's: Llama-2-style
     # templates write {{ bos_token }}, which would render as nothing without it
     map_file = folder / "special_tokens_map.json"
-    if "added_tokens_decoder" not in config and map_file.is_file():
+    if "added_tokens_decoder" not in config and _present(map_file):
         specials.update(_special_tokens(_read_json(map_file, flag)))
     return ChatTemplate(source, template, specials)
+
+
+def _present(path: Path) -> bool:
+    """A name in the folder, whatever it is: a file, a directory, a link to nothing."""
+    return path.exists() or path.is_symlink()
+
+
+def _read_jinja(path: Path, flag: str) -> str:
+    """chat_template.jinja's text; a ConfigError when it is not a readable, non-empty UTF-8 file."""
+    if not path.is_file():
+        what = "a link to a missing file" if path.is_symlink() and not path.exists() else "not a file"
+        raise ConfigError(f"{flag}: {path} is {what}, so the tokenizer's chat template cannot be read; restore it "
+                          f"(or remove it to use tokenizer_config.json's chat_template).")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{flag}: {path} cannot be read as UTF-8 text ({e}); restore it.") from None
+    if not text.strip():
+        raise ConfigError(f"{flag}: {path} is empty (a download or a copy cut short?), so the tokenizer's chat "
+                          f"template cannot be read; restore it (or remove it to use tokenizer_config.json's "
+                          f"chat_template).")
+    return text
 
 
 def turn_end_id(template: ChatTemplate, tokenizer) -> int | None:
@@ -139,8 +167,11 @@ def _read_json(path: Path, flag: str) -> dict:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{flag}: {path} cannot be read ({e}).") from None
-    return value if isinstance(value, dict) else {}
+        raise ConfigError(f"{flag}: {path} cannot be read ({e}); restore it.") from None
+    if not isinstance(value, dict):  # (read as {}, its chat template was taken for none)
+        raise ConfigError(f"{flag}: {path} holds a JSON {type(value).__name__}, not the object of a tokenizer's "
+                          f"settings; restore it.")
+    return value
 
 
 def _named_default(template, where: Path, flag: str) -> str | None:
@@ -148,11 +179,17 @@ def _named_default(template, where: Path, flag: str) -> str | None:
     if template is None or isinstance(template, str):
         return template
     if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        if "default" in named:
-            return named["default"]
-        raise ConfigError(f"{flag}: {where} names chat templates {sorted(named)} but none is \"default\", the one "
-                          f"longctx applies.")
+        if not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in template):
+            raise ConfigError(f"{flag}: {where}'s chat_template is a list whose entries are not all "
+                              f"{{\"name\": ..., \"template\": ...}} objects; restore it.")
+        named = {t["name"]: t.get("template") for t in template}
+        if "default" not in named:
+            raise ConfigError(f"{flag}: {where} names chat templates {sorted(named)} but none is \"default\", the "
+                              f"one longctx applies.")
+        if not isinstance(named["default"], str) or not named["default"]:
+            raise ConfigError(f"{flag}: {where}'s \"default\" chat template is {named['default']!r}, not the text "
+                              f"of a template; restore it.")
+        return named["default"]
     raise ConfigError(f"{flag}: {where}'s chat_template is neither a string nor a list of named templates.")
 
 

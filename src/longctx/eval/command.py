@@ -40,7 +40,7 @@ from ..generate.context_memory import add_flags as add_context_memory_flags
 from ..generate.settings import add_sampling_flags
 from ..progress import say
 from .defaults import DEFAULT_BUCKETS, DEFAULT_DEPTHS
-from .stopped import drop_stale_incomplete, keep_stopped, replacing_note, terminated_raises, write_output
+from .stopped import drop_stale_incomplete, keep_stopped, kept_where, replacing_note, terminated_raises, write_output
 from .task_list import TASKS, combined_result, default_plot, parse_tasks, task_args
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ def main(args, overrides) -> int:
             say("eval: note: ppl is scored (--mode score) and --mode generate answers passkey/needle on another "
                 "model: the weights are read twice, once for each mode's tasks")
     if nproc > 1 and not under_launcher():
-        relaunch(nproc, argv_without_nproc(args.argv))
+        relaunch(nproc, argv_without_nproc(args.argv), kept=kept_where(args.output))
         return 0
     if not under_launcher():
         _say_threads(requests[0].cfg)

@@ -38,6 +38,18 @@ def incomplete_path(output: str) -> str:
     return str(path.with_name(f"{path.stem}.incomplete{path.suffix or '.json'}"))
 
 
+def kept_where(output: str) -> str:
+    """Where a stopped run's finished lengths are, said by the launcher of `--nproc N` when a rank was stopped from
+    outside (job/lost_peer.py outside_stop_message; rank 0's own line, above it, may be far up in the ranks' output)."""
+    if not output:
+        where = "went to stdout (rank 0's JSON above)"
+    elif written_in_place(output):
+        where = f"went to {output}"
+    else:
+        where = f"are kept in {incomplete_path(output)} (--output {output} is written only by a whole run)"
+    return f"the lengths it finished, if any, {where}, marked \"incomplete\"; run it again for the others"
+
+
 def replacing_note(output: str) -> str:
     """The note that --output holds a file already ('' when not): said before work, so that an earlier result is
     never replaced without a word (and a run stopped part-way leaves it as it is)."""

@@ -105,9 +105,10 @@ def torchrun_signals(workers: logging.Logger):
 
 
 def outside_stop_message(rank: int, nproc: int, sig: signal.Signals, exitcode: int, lost: list[int],
-                         others: list[int], command: str) -> str:
+                         others: list[int], command: str, kept: str = "") -> str:
     """What the launcher says of rank `rank`, stopped by `sig` that no one in the job sent (see the module's
-    docstring): `lost`, the ranks that noted it lost mid-collective; `others`, the rest that ended after it."""
+    docstring): `lost`, the ranks that noted it lost mid-collective; `others`, the rest that ended after it;
+    `kept`, what the command keeps of a stopped run and where (eval's finished lengths: its .incomplete file)."""
     how = "" if exitcode == -sig else f" (it exited {exitcode}, as a process {sig.name} stops)"
     after = []
     if lost:
@@ -122,4 +123,6 @@ def outside_stop_message(rank: int, nproc: int, sig: signal.Signals, exitcode: i
     if command == "train":
         said += (" A training run that saves checkpoints stops on it at a step boundary after saving "
                  "(checkpoint.on_signal), on every rank.")
+    elif kept:
+        said += f" `longctx {command}` saves no checkpoint: {kept}."
     return said

@@ -131,14 +131,16 @@ def argv_without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def relaunch(nproc: int, argv: list[str], monitor_interval: float = 0.5, forward=()) -> None:
+def relaunch(nproc: int, argv: list[str], monitor_interval: float = 0.5, forward=(), kept: str = "") -> None:
     """Run `python -m longctx <argv>` on `nproc` local processes through torchrun; raise on failure.
-    `forward`: signals the ranks act on (checkpoint.on_signal), which the launcher passes on to them (_forwarding)."""
+    `forward`: signals the ranks act on (checkpoint.on_signal), which the launcher passes on to them (_forwarding);
+    `kept`: what the command keeps of a run stopped part-way, and where (eval: its finished lengths' file), which
+    the launcher's message for a rank stopped from outside repeats."""
     with tempfile.TemporaryDirectory(prefix="longctx-errors-") as folder, _forwarding(forward, folder) as forwarded:
         old = os.environ.get(ERROR_DIR_ENV)
         os.environ[ERROR_DIR_ENV] = folder
         try:
-            _relaunch(nproc, argv, monitor_interval, Path(folder), forwarded)
+            _relaunch(nproc, argv, monitor_interval, Path(folder), forwarded, kept)
         finally:
             if old is None:
                 os.environ.pop(ERROR_DIR_ENV, None)
@@ -227,7 +229,7 @@ def _ranks_of(error_dir: str) -> list[int]:
 
 
 def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: Path,
-              forwarded: _Forwarded | None = None) -> None:
+              forwarded: _Forwarded | None = None, kept: str = "") -> None:
     forwarded = forwarded or _Forwarded()
     command = argv[0] if argv else "train"  # (the longctx command the ranks run: the signal messages name it)
     args = get_args_parser().parse_args([
@@ -259,7 +261,7 @@ def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: P
             return
         # the shell's code of a process a signal ended (130 for Ctrl-C, 143 for SIGTERM), as one process exits:
         # a script tells an interrupted run from a failed one (it exited 1, a failure's code)
-        raise RankError(_stopped_by(signal.Signals(e.sigval).name, command),
+        raise RankError(_stopped_by(signal.Signals(e.sigval).name, command, kept),
                         128 + int(e.sigval)) from None
     except ChildFailedError as e:
         hang = watchdog.hang_report(error_dir, nproc)
@@ -273,7 +275,8 @@ def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: P
             lines = [f"{_ranks_label(ranks, nproc)}: {message}" for message, (ranks, _) in errors.items()]
             raise RankError("\n".join(lines), next(iter(errors.values()))[1]) from None
         raise _first_failure(e.failures, nproc, forwarded.passed, _noted_times(error_dir), command,
-                             lost=_noted_times(error_dir, "lostpeer"), torchrun_stopped=torchrun_stopped) from None
+                             lost=_noted_times(error_dir, "lostpeer"), torchrun_stopped=torchrun_stopped,
+                             kept=kept) from None
     finally:
         elastic.setLevel(level)
         workers.removeFilter(_no_failed_worker_line)
@@ -295,11 +298,12 @@ _LEFT_BY_A_STOP = {
 }
 
 
-def _stopped_by(signame: str, command: str) -> str:
+def _stopped_by(signame: str, command: str, kept: str = "") -> str:
     """The error of a job this launcher's signal (SIGTERM, Ctrl-C's SIGINT) stopped: for train, what its ranks
-    save; for generate and eval, which save no checkpoint, what the command itself keeps (_LEFT_BY_A_STOP)."""
+    save; for generate and eval, which save no checkpoint, what the command itself keeps (`kept`, where the command
+    named it: eval's file; else _LEFT_BY_A_STOP)."""
     if command != "train":
-        left = _LEFT_BY_A_STOP.get(command, "run it again")
+        left = kept or _LEFT_BY_A_STOP.get(command, "run it again")
         return f"stopped by {signame} before `longctx {command}` finished (it saves no checkpoint): {left}."
     return (f"stopped by {signame} before the ranks saved a checkpoint (they save on checkpoint.on_signal when the "
             f"run saves: checkpoint.interval > 0 or checkpoint.final, from their set-up on; one that came while they "
@@ -309,12 +313,13 @@ def _stopped_by(signame: str, command: str) -> str:
 
 def _first_failure(failures: dict, nproc: int, passed=(), crashed: dict[int, float] | None = None,
                    command: str = "train", lost: dict[int, float] | None = None,
-                   torchrun_stopped=frozenset()) -> UserError:
+                   torchrun_stopped=frozenset(), kept: str = "") -> UserError:
     """The error to raise when no rank reported one of its own: which rank failed first and how, from
     `failures` (torchrun's ChildFailedError.failures, {rank: ProcessFailure}); `passed`: the signals the
     launcher passed on to the ranks (_forwarding); `crashed`: when ranks noted their own errors (note_crash);
     `command`: the job's (train's ranks save on a signal, generate's and eval's act on none); `lost`: when ranks
-    noted a lost peer (note_lost_peer); `torchrun_stopped`: the PIDs torchrun signalled to stop the job."""
+    noted a lost peer (note_lost_peer); `torchrun_stopped`: the PIDs torchrun signalled to stop the job; `kept`:
+    relaunch's."""
     # The root cause: the rank torchrun saw end first. Its timestamps are whole seconds of one pass over the
     # ranks, and a rank it saw later ended later: one that outlived torchrun's SIGTERM (a rank records the signal
     # and goes on to its step boundary) is SIGKILLed by torchrun 30 s on, which is no out-of-memory killer's.
@@ -350,7 +355,7 @@ def _first_failure(failures: dict, nproc: int, passed=(), crashed: dict[int, flo
     if first_rank in outside:
         sig = stop_signal(failure.exitcode)
         said = outside_stop_message(first_rank, nproc, sig, failure.exitcode, sorted(set(lost) & set(others)),
-                                    others, command)
+                                    others, command, kept)
         return RankError(said, 128 + int(sig))
     signalled = failure.exitcode is not None and -failure.exitcode in passed  # (the launcher's signal, not a crash)
     message = (f"rank {first_rank} of {nproc} failed first ({what}); the job was stopped"

@@ -26,7 +26,7 @@ from ..data.default_store import default_store
 from ..data.loader import PackedSamples
 from ..data.store import SPLITS, read_manifest, response_only_documents, text_prefix
 from ..data.store_mix import StoreMix, check_same_kind, mix_line
-from ..data.store_template import check_store_template
+from ..data.store_template import check_store_template, unchecked_note
 from ..data.synthetic import SyntheticMixture
 from ..data.tokenizer import load_tokenizer
 from ..durable import write_text_durably
@@ -298,9 +298,9 @@ def build_data(cfg: Config, log=print, rt: Runtime | None = None):
         train = SyntheticMixture(train, *mixture, cfg.train.seed, load_tokenizer(manifest["tokenizer"]["spec"]))
         log(f"data: {int(train.synthetic.sum()):,} of {len(train):,} training samples are {mixture[0]} sequences "
             f"(data.synthetic = {cfg.data.synthetic})")
-    note = _missing_prefix(manifest)
-    if note:
-        log(f"data: {path}: {note}")
+    for note in (_missing_prefix(manifest), unchecked_note(manifest)):
+        if note:
+            log(f"data: {path}: {note}")
     problem = eval_split_problem(cfg, path, manifest)
     evals = None
     if problem:
@@ -401,9 +401,9 @@ def build_mix(cfg: Config, log=print):
                                            paths, weights, cfg.train.seed)
     train = split("train", weights)
     for path, manifest in zip(paths, manifests):
-        note = _missing_prefix(manifest)
-        if note:
-            log(f"data: {path}: {note}")
+        for note in (_missing_prefix(manifest), unchecked_note(manifest)):
+            if note:
+                log(f"data: {path}: {note}")
     problem = mix_eval_problem(cfg, train, manifests)
     if problem:
         log(f"data: {problem}")

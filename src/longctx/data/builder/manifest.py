@@ -8,7 +8,7 @@ import numpy as np
 
 from ...config.tokenizer import tokenizer_identity
 from .. import store
-from ..store_template import template_record
+from ..store_template import store_record
 from .options import BuildOptions
 
 
@@ -46,10 +46,12 @@ def store_manifest(opts: BuildOptions, tokenizer, token_dtype, old: dict | None,
 
 
 def _chat_template(opts: BuildOptions, old: dict | None) -> dict:
-    """The template conversations were rendered with (data/store_template.py): this build's, else the store's."""
+    """The template conversations were rendered with (data/store_template.py): the scan's, with the earlier parts
+    whose template is not known listed apart, else the store's."""
     if opts.messages_field:
-        return {"chat_template": template_record(opts.tokenizer)}
-    recorded = (old or {}).get("tokenizer", {}).get("chat_template")
+        recorded = store_record(opts.chat_template, old)
+    else:
+        recorded = (old or {}).get("tokenizer", {}).get("chat_template")
     return {"chat_template": recorded} if recorded else {}
 
 

@@ -51,6 +51,9 @@ class BuildOptions:
     shown_as: str = ""  # the path messages name, when `out` is a temporary directory renamed into it after
     max_memory: int = 0  # bytes the whole build may hold resident (0 = DEFAULT_MAX_MEMORY)
     shard: tuple[int, int] | None = None  # (i, n): scan only machine i's share of n into `out`
+    # not an option: the record of the chat template the scan rendered its conversations with, which the store
+    # records (pipeline.py sets it from the scan's plan; None: not recorded, scans made before 2026-12-06)
+    chat_template: dict | None = None
 
     @property
     def holdout_len(self) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import shutil
 from contextlib import contextmanager, suppress
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +36,7 @@ from ...durable import DirectoryInUse, lock_directory
 from ...errors import DataError
 from ...progress import current, phase, progress_bar
 from .. import store
-from ..store_template import check_append_template
+from ..store_template import check_append_template, merged_template, template_record
 from ..tokenizer import load_tokenizer, tokenizer_digest
 from . import disk_full, scan
 from .assembly import Assembly
@@ -45,6 +45,10 @@ from .out_dir import WORK, check_out, check_parts
 from .readers import unit_format
 from .scan import ScannedShard
 from .timing import timed
+
+# what a scan's plan does not record of its build's options (its own place and display, and the chat template, which
+# it records apart: the one its conversations are rendered with, which the store records, a merge the scans')
+_NOT_BUILD_SETTINGS = ("out", "shown_as", "progress", "shard", "append", "chat_template")
 
 
 def scan_inputs(opts: BuildOptions, work: Path, machine: tuple[int, int], log) -> dict:
@@ -70,11 +74,12 @@ def scan_inputs(opts: BuildOptions, work: Path, machine: tuple[int, int], log) -
         # unknown inputs, never resumed (they would stand in for this build's first shards)
         log(f"  {work} holds scanned shards without their plan; starting over")
         shutil.rmtree(work / scan.SHARDS)
-    build = {k: v for k, v in asdict(opts).items() if k not in ("out", "shown_as", "progress", "shard", "append")}
+    build = {k: v for k, v in asdict(opts).items() if k not in _NOT_BUILD_SETTINGS}
     plan = {"format": scan.FORMAT, "version": scan.VERSION, "digest": digest, "resume": resume,
             "options": asdict(sopts),
             "build": build, "token_dtype": np.dtype(store.token_dtype(tok.vocab_size)).name,
             "tokenizer_digest": tokenizer_digest(opts.tokenizer),  # (what a merge checks its tokenizer file against)
+            **({"chat_template": template_record(opts.tokenizer)} if opts.messages_field else {}),  # (recorded)
             "shards": len(shards), "machine": list(machine), "range": [todo.start, todo.stop],
             "other_suffix": other if machine[0] == 0 else 0,
             "bytes": sum(u.size for s in shards[todo.start:todo.stop] for u in s)}
@@ -301,6 +306,7 @@ def build_store(opts: BuildOptions, log=print) -> dict:
         records: dict = {}
         with _said_if_disk_full(root, [work], opts.append), phase("data build"):  # (the line above says of what)
             plan, shards = timed(records, "scan", None, log, _scan_stage, opts, work, (0, 1), log)
+            opts = replace(opts, chat_template=plan.get("chat_template"))  # (what rendered the scan, recorded)
             manifest = Assembly(opts, root, old, tok, shards, plan.get("other_suffix", 0), work, records, log).run()
         (work / scan.PLAN).unlink(missing_ok=True)  # first: a removal cut short leaves nothing a later build resumes
         shutil.rmtree(work, ignore_errors=True)
@@ -350,6 +356,7 @@ def merge_scans(dirs: list[str], out: str, workers: int = 0, max_memory: int = 0
     plans.sort(key=lambda pd: pd[0]["machine"][0])
     first = plans[0][0]
     n = first["machine"][1]
+    rendered_by = merged_template(plans, log)  # (first: two templates are that, not "other options")
     for p, d in plans:
         if p["digest"] != first["digest"] or _scan_settings(p["build"]) != _scan_settings(first["build"]):
             raise DataError(f"'{d}' was scanned from other inputs or with other options than '{plans[0][1]}'; "
@@ -372,7 +379,7 @@ def merge_scans(dirs: list[str], out: str, workers: int = 0, max_memory: int = 0
     if built.get("dedup") != "minhash":  # (a threshold without minhash, which scans before 3151722 took and ignored)
         built = {**built, "dedup_threshold": BuildOptions.dedup_threshold}
     opts = BuildOptions(**{**built, "out": out, "progress": progress, "workers": workers or built["workers"],
-                           "max_memory": max_memory or built["max_memory"]})
+                           "max_memory": max_memory or built["max_memory"], "chat_template": rendered_by})
     check_options(opts)  # (the scans' own were checked by their builds; --workers and --max-memory are new)
     if "tokenizer_digest" in first and tokenizer_digest(opts.tokenizer) != first["tokenizer_digest"]:
         raise DataError(f"the tokenizer file {opts.tokenizer} has changed since the scans were made (its content is "
