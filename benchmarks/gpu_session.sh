@@ -14,7 +14,7 @@ longctx() { python3 -m longctx "$@"; }
 nvidia-smi -L; python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
 echo "== pytest -m gpu"
 timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_attention.py tests/unit/test_varlen.py \
-  tests/unit/test_moe_routers.py 2>&1 | tail -25 | tee "$OUT/pytest_gpu.log"
+  tests/unit/test_moe_grouped_mm.py 2>&1 | tail -25 | tee "$OUT/pytest_gpu.log"
 echo "== bench moe --device cuda"
 timeout 90 python3 -m longctx bench moe --device cuda --dim 2048 --experts 64 --top-k 8 --expert-dim 768 \
   --skew-share 0.125 --seq-len 8192,32768 --repeats 5 > "$OUT/moe_gpu.json"; echo "rc $?"

@@ -9,7 +9,7 @@
   adds with atomics on CUDA, in an order the hardware picks. The one-device dispatch and combine (forward and
   backward, with and without drops) run no float scatter-add at all, so the same bits come out on every run,
   with torch's deterministic mode on or off. (CPU adds in a fixed order whatever the op: the ops are checked;
-  tests/unit/test_moe_routers.py has the CUDA twin of the same-bits check.)
+  tests/unit/test_moe_grouped_mm.py has the CUDA twin of the same-bits check.)
 - Experts left uninitialised by a name mismatch on conversion (Megatron-Bridge #4706): every MoE family's
   checkpoint in both expert layouts (one tensor per expert, transformers 5's fused tensors), with one expert
   tensor removed or renamed, is refused naming it; none loads with that expert's weights left as initialised.
