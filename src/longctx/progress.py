@@ -14,6 +14,10 @@ outer ones, how long each has run and, where the caller counts, done/total and t
 
     ... data build [48s] > embed [21s]: 800/1,716 documents (47%), about 24s left
 
+A count moves inside long work, not only between its pieces (a file's MB read, a prefill's chunks, a long
+sequence's layers), or the time left would climb while one runs; a count kept elsewhere (worker processes'
+shared memory) is read whenever the phase is said (`Phase.follow`).
+
 A phase that ran that long ends with a line of its time (unless its caller says its own); work that
 finishes sooner prints nothing, so short runs read as before. Only rank 0 (env RANK) speaks. The
 thread gets its turn while the main thread is in a torch or numpy op or a wait (they release the GIL).
@@ -83,12 +87,25 @@ class Phase:
         self.what, self.total, self.unit, self.bar = what, total, unit, bar
         self.done = 0
         self.started = time.monotonic()
+        self.source = None  # (follow: a count kept elsewhere)
+        self.work = None    # (weigh: the part of the work a count stands for)
 
     def expect(self, total: float | None, unit: str | None = None) -> None:
         """Set (or change) the count the work goes to, and its unit."""
         self.total = total
         if unit is not None:
             self.unit = unit
+
+    def follow(self, source) -> None:
+        """Read the count from `source()` whenever the phase is said (work counted where no call reaches
+        `update`: worker processes writing to shared memory), never going back."""
+        self.source = source
+
+    def weigh(self, work) -> None:
+        """Time the rest by `work(done)`, the part (0..1) of the work that `done` stands for, where the count's
+        items cost unequal time (a prefill's later chunks attend to more keys): a count's own share would
+        promise a time left that each line then pushes back."""
+        self.work = work
 
     def update(self, n: float = 1) -> None:
         """`n` more of the total done (called from the working thread; a heartbeat reads it), on
@@ -100,16 +117,58 @@ class Phase:
     def describe(self, now: float) -> str:
         """'embed [1m20s]: 800/1,716 documents (47%), about 1m30s left'."""
         elapsed = now - self.started
+        if self.source is not None:
+            self.done = max(self.done, self.source())
         text = f"{self.what} [{duration(elapsed)}]"
         unit = f" {self.unit}" if self.unit else ""
         if self.total:
             done = min(self.done, self.total)
-            text += f": {done:,.0f}/{self.total:,.0f}{unit} ({100 * done / self.total:.0f}%)"
-            if 0 < done < self.total:
-                text += f", about {duration(elapsed * (self.total - done) / done)} left"
+            counts = f"{_count(done, self.total)}/{_count(self.total, self.total)}"
+            text += f": {counts}{unit} ({100 * done / self.total:.0f}%)"
+            part = self.work(done) if self.work is not None else done / self.total
+            if 0 < done < self.total and part > 0:
+                text += f", about {duration(elapsed * (1 - part) / part)} left"
         elif self.done:
             text += f": {self.done:,.0f}{unit} done"
         return text
+
+
+class LayerCounts:
+    """Counts a piece of work in `progress` (a Phase, or None) layer by layer while a model's forward runs it
+    through `layers` (its blocks; None: counted when done): each layer's end counts its share, `extra_parts`
+    shares kept for what runs after them (an LM head and loss), and `end` makes the count whole, in one
+    assignment (a line never sees it go back), moving the phase's bar by the whole piece."""
+
+    def __init__(self, layers, progress: Phase | None, extra_parts: int = 0):
+        self.progress, self.base, self.share, self.n = progress, 0.0, 0.0, 0.0
+        layers = list(layers or []) if progress is not None else []
+        self.parts = len(layers) + extra_parts or 1
+        self.handles = [layer.register_forward_hook(self._layer_done) for layer in layers]
+
+    def _layer_done(self, *_) -> None:
+        self.progress.done += self.share
+
+    def begin(self, n: float) -> None:
+        """A piece of `n` starts (its forward next)."""
+        if self.progress is not None:
+            self.base, self.share, self.n = self.progress.done, n / self.parts, n
+
+    def end(self) -> None:
+        if self.progress is not None:
+            self.progress.done = self.base + self.n
+            if self.progress.bar is not None:
+                self.progress.bar.update(self.n)
+
+    def close(self) -> None:
+        """The hooks off the layers (also after an error: call it in a finally)."""
+        for handle in self.handles:
+            handle.remove()
+
+
+def _count(n: float, total: float) -> str:
+    """A count as a line says it: whole, but a part of one too in a total of few ('0.4/2 sequences' where '0/2'
+    would not move, '0.3/0.4 MB')."""
+    return f"{n:,.1f}" if total < 100 and n != int(n) else f"{n:,.0f}"
 
 
 class _Quiet(Phase):

@@ -47,12 +47,15 @@ class DamagedManifest(CheckpointError):
         self.problem = problem
 
 
-def sha256(path: Path, chunk: int = 1 << 22) -> str:
+def sha256(path: Path, chunk: int = 1 << 22, progress=None) -> str:
+    """The file's checksum; its MB read counted in `progress` (a progress.Phase), if given, block by block."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         while block := f.read(chunk):
             h.update(block)  # hashlib releases the GIL on blocks this large: other threads keep running
             watchdog.tick()  # (reading a save back to hash it is progress: a rank waiting on it is not hung)
+            if progress is not None:
+                progress.update(len(block) / 1e6)
     return h.hexdigest()
 
 
@@ -187,15 +190,15 @@ def read_manifest(directory: Path) -> dict:
     return manifest
 
 
-def file_problem(directory: Path, entry: dict, checksums: bool = True) -> str | None:
-    """What is wrong with one file the manifest lists (None when it is intact)."""
+def file_problem(directory: Path, entry: dict, checksums: bool = True, progress=None) -> str | None:
+    """What is wrong with one file the manifest lists (None when it is intact); `progress`: as sha256's."""
     p = Path(directory) / entry["path"]
     if not p.is_file():
         return "is missing"
     size = p.stat().st_size
     if size != entry["bytes"]:
         return f"has {size} bytes, the manifest says {entry['bytes']} (truncated or overwritten)"
-    if checksums and sha256(p) != entry["sha256"]:
+    if checksums and sha256(p, progress=progress) != entry["sha256"]:
         return CHECKSUM_MISMATCH
     return None
 
@@ -233,11 +236,14 @@ def damage_report(problems: dict[str, str]) -> str:
     return "; ".join(f"{path} {problem}" for path, problem in problems.items())
 
 
-def verify(directory: Path, checksums: bool = True) -> dict:
-    """Check every listed file exists with its size (and checksum); return the manifest."""
+def verify(directory: Path, checksums: bool = True, progress=None) -> dict:
+    """Check every listed file exists with its size (and checksum); return the manifest. `progress` (a
+    progress.Phase), if given, counts the MB checksummed of the files' total."""
     directory = Path(directory)
     manifest = read_manifest(directory)
-    problems = {e["path"]: p for e in manifest["files"] if (p := file_problem(directory, e, checksums))}
+    if progress is not None and checksums:
+        progress.expect(sum(e["bytes"] for e in manifest["files"]) / 1e6, "MB")
+    problems = {e["path"]: p for e in manifest["files"] if (p := file_problem(directory, e, checksums, progress))}
     problems.update(unlisted_problems(directory, manifest))
     if problems:
         raise CheckpointError(f"checkpoint {directory} is damaged: {damage_report(problems)}. "

@@ -9,6 +9,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from ..config.checkpoint_paths import CheckpointError
+from ..progress import phase
 from .manager import CheckpointManager, _single_process
 from .manifest import check_weights_fit, damage_report, verify
 
@@ -36,12 +37,14 @@ def load_weights_into(path: Path, model, rt, log=print, flag: str = "model.init_
 
 
 def load_model_weights(path: Path, model) -> dict:
-    """Only the model weights of a checkpoint, into a single-process model (for export)."""
-    manifest = verify(path, checksums=True)
+    """Only the model weights of a checkpoint, into a single-process model (export, generate). Its two reads of
+    the files (an 8B model's: minutes each) run as progress phases, the checksums' counting the MB read."""
+    with phase(f"checkpoint: verifying the checksums of {path}", done_line=False) as progress:
+        manifest = verify(path, checksums=True, progress=progress)
     state = {"model": model.state_dict()}
     # (the model is built from the checkpoint's own config: tensors beyond it mean a config that does not describe them)
     check_weights_fit(path, state["model"], "use the longctx version that wrote it")
-    with _single_process(True):
+    with _single_process(True), phase(f"checkpoint: reading {path}", done_line=False):  # (DCP's read: no count)
         dcp.load(state, checkpoint_id=str(path), no_dist=True)
     model.load_state_dict(state["model"])
     return manifest

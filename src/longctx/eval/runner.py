@@ -16,6 +16,7 @@ import torch
 from ..data.samples import IGNORE, Batch
 from ..job.runtime import Runtime
 from ..parallel.context.shares import local_batch
+from ..progress import LayerCounts
 from .tasks import Sequence
 
 
@@ -35,12 +36,25 @@ def _batches(seqs: list[Sequence], batch: int):
 def score(model, rt: Runtime, seqs: list[Sequence], batch: int, buckets: int, device: torch.device,
           autocast_dtype, progress=None) -> dict:
     """{"nll_sum", "tokens"} per position bucket [buckets] and {"nll", "misses", "scored"} per
-    sequence [len(seqs)], summed over the whole job (float64, on the host)."""
+    sequence [len(seqs)], summed over the whole job (float64, on the host). `progress` (a progress.Phase, or
+    None) counts the sequences scored, a long one layer by layer (progress.LayerCounts)."""
+    # (one part per layer and one for the LM head and loss: a long sequence is minutes of one forward, and counted
+    # only when it was done its time left grew until then)
+    within = LayerCounts(getattr(model, "layers", None) if progress is not None else None, progress, extra_parts=1)
+    try:
+        return _score(model, rt, seqs, batch, buckets, device, autocast_dtype, within)
+    finally:  # (the hooks off the model, also after an error)
+        within.close()
+
+
+def _score(model, rt: Runtime, seqs: list[Sequence], batch: int, buckets: int, device: torch.device,
+           autocast_dtype, within: LayerCounts) -> dict:
     length = seqs[0].length
     per_bucket = torch.zeros(2, buckets, dtype=torch.float64, device=device)    # nll sum, tokens
     per_seq = torch.zeros(3, len(seqs), dtype=torch.float64, device=device)     # nll, misses, scored
     rows = batch // rt.dp
     for start, real, global_batch in _batches(seqs, batch):
+        within.begin(real)
         local = local_batch(rt, global_batch, device)
         # (uncached: the weights' bf16 copies would otherwise live until the forward's end: step/loss.py)
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None, cache_enabled=False):
@@ -55,8 +69,7 @@ def score(model, rt: Runtime, seqs: list[Sequence], batch: int, buckets: int, de
         keep = max(0, min(rows, start + real - first))  # the filler rows are not sequences
         if keep:
             per_seq[:, first:first + keep] += torch.stack([nll.sum(1), (valid - hit).sum(1), valid.sum(1)])[:, :keep]
-        if progress is not None:
-            progress.update(real)
+        within.end()
     per_bucket, per_seq = rt.sum_tensor(per_bucket).cpu(), rt.sum_tensor(per_seq).cpu()
     return {"nll_sum": per_bucket[0].tolist(), "tokens": per_bucket[1].tolist(), "nll": per_seq[0].tolist(),
             "misses": per_seq[1].tolist(), "scored": per_seq[2].tolist()}

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from .. import threads
 from ..config.checkpoint_paths import check_weights_flag, step_read
 from ..errors import ConfigError
-from ..progress import say
+from ..progress import phase, say
 
 
 @dataclass
@@ -315,7 +315,9 @@ def _models(request: GenerateRequest, args, device, backend, main_rank: bool, on
     from .loading import load_model
 
     dtype = resolve_dtype(request.cfg.train.dtype, device)
-    model = load_model(request.cfg, device, dtype)
+    # (a phase, as eval's: an 8B model's read is minutes; its checksums and hf:DIR's weights counted in MB inside)
+    with phase(f"generate: loading the model from {args.checkpoint}{step_read(args.checkpoint)}"):
+        model = load_model(request.cfg, device, dtype)
     if main_rank:
         _say_run(request, args, device, dtype)
     step = _warm_up(request, args, model, device, backend, main_rank, one_row)

@@ -12,22 +12,55 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
-from ..models.kv_cache import KVCache
+from ..models.flops import layer_matmul_params
+from ..models.kv_cache import KVCache, attend
+from ..progress import LayerCounts, Phase, phase
 from .cache_pool import POOL
 
 
 def prefill(model, cache: KVCache, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
     """Feed `tokens` [rows, length] (rows of one length, appended to what `cache` holds) chunk by
-    chunk; the logits [rows, vocab] (fp32) of the last position."""
-    length = tokens.shape[1]
+    chunk; the logits [rows, vocab] (fp32) of the last position. More than one chunk (a long prompt: minutes
+    on a CPU) runs as a progress phase that counts the prompt tokens done, each chunk's layer by layer."""
+    rows, length = tokens.shape
     chunk = chunk if chunk > 0 else length
-    for start in range(0, length, chunk):
-        hidden = model.hidden_states(tokens[:, start:start + chunk], cache=cache)
+    # (timed by FLOPs where each token attends to every earlier key: not under InfLLM's memory, another core)
+    full = getattr(cache, "core", None) is attend
+    with prefill_phase(rows, length, chunk, getattr(model, "cfg", None) if full else None) as progress:
+        # (a chunk counted layer by layer as it runs: a late chunk of a long prompt is itself long)
+        counts = LayerCounts(getattr(model, "layers", None) if length > chunk else None, progress)
+        try:
+            for start in range(0, length, chunk):
+                counts.begin(rows * min(chunk, length - start))
+                hidden = model.hidden_states(tokens[:, start:start + chunk], cache=cache)
+                counts.end()
+        finally:
+            counts.close()
     return model.logits(hidden[:, -1]).float()
+
+
+@contextmanager
+def prefill_phase(rows: int, length: int, chunk: int, cfg=None):
+    """The phase of a chunked prefill of `rows` x `length` tokens (a quiet one for a single chunk). With the
+    model's `cfg`, its time left is timed by FLOPs (models/flops.py): a token at position p costs the layers'
+    matmuls plus attention over p keys, so the later chunks cost more, and a count of tokens alone promised
+    a time left that each line pushed back (measured: 32s left at 38% of a 32K prompt, 34s at 64%)."""
+    if length <= chunk:
+        yield Phase("")
+        return
+    what = f"prefill of {rows} prompt{'s' if rows != 1 else ''} of {length:,} tokens, in chunks of {chunk:,}"
+    with phase(what, total=rows * length, unit="prompt tokens", done_line=False) as progress:
+        if cfg is not None:
+            per_token = 2 * sum(layer_matmul_params(cfg, active=True))
+            per_key = 4 * cfg.layers * cfg.heads * cfg.resolved_head_dim  # (QK^T and PV: 2 FLOPs each per key)
+            # (positions from 0: a cache already holding tokens, a draft's appended prompt, is rare and short)
+            work = lambda t: per_token * t + per_key * t * t / 2  # noqa: E731
+            progress.weigh(lambda done: work(done / rows) / work(length))
+        yield progress
 
 
 def prefill_flat(model, cache: KVCache, prompts: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -44,6 +44,7 @@ from .options import BuildOptions, check_options
 from .out_dir import WORK, check_out, check_parts
 from .readers import unit_format
 from .scan import ScannedShard
+from .scan_progress import ShardsRead
 from .timing import timed
 
 # what a scan's plan does not record of its build's options (its own place and display, and the chat template, which
@@ -93,19 +94,17 @@ def scan_inputs(opts: BuildOptions, work: Path, machine: tuple[int, int], log) -
         bar.unit_scale = True
     progress = current()  # the scan stage's phase (timing.py): MB of input scanned
     progress.expect(plan["bytes"] / 1e6, "MB")
-    finished = 0
+    # (each shard's bytes read so far, also those a worker process is reading: scan_progress.py; a shard scanned
+    # before a resume is counted as the scan skips it)
+    read = ShardsRead(len(shards), opts.scan_workers)
+    progress.follow(lambda: read.total() / 1e6)
 
     def scanned_shard(_counts, size):
-        nonlocal finished
-        finished += size
-        # a shard scanned in this process was counted file by file as it went (on_unit); one scanned
-        # by a worker process is counted here, when it is done
-        progress.done = max(progress.done, finished / 1e6)
         if bar is not None:
             bar.update(size)
 
     counts = scan.run_scans(work, shards, todo, sopts, plan["token_dtype"], opts.scan_workers, opts.max_docs,
-                            on_done=scanned_shard, on_unit=lambda unit: progress.update(unit.size / 1e6))
+                            on_done=scanned_shard, read=read)
     if bar is not None:
         bar.close()
     plan["complete"] = [c["index"] for c in counts]

@@ -138,6 +138,32 @@ def check_libraries(files: list[Path]) -> None:
 
 # -- byte streams ----------------------------------------------------------------------------------
 
+class ReadPosition:
+    """How far the reading of a unit is, in bytes of its file on disk (compressed ones too), for progress: a
+    long file is counted as it is read, not only once it is done (`iter_file` points it at what it reads)."""
+
+    def __init__(self):
+        self.tell = lambda: 0
+
+    def at_file(self, f) -> None:
+        def tell() -> int:
+            try:
+                return f.tell()
+            except (OSError, ValueError):  # (closed: the unit is done, and counted whole by the caller)
+                return 0
+        self.tell = tell
+
+    def at_rows(self, rows_of: int, size: int):
+        """A count of `rows_of` rows in a file of `size` bytes (parquet: its rows fill it evenly enough); the
+        callable that moves it (rows done so far)."""
+        done = [0]
+        self.tell = lambda: size * done[0] // max(rows_of, 1)
+
+        def moved(rows: int) -> None:
+            done[0] = rows
+        return moved
+
+
 class _BadCompressed(Exception):
     """The compressed data of a unit is corrupt or truncated."""
 
@@ -278,12 +304,13 @@ def _iter_jsonl(lines: Iterable[bytes], name: str, fields: list[tuple], accept, 
 
 
 def _iter_bytes_file(path: Path, name: str, fmt: str, compression: str | None, fields: list[tuple], accept,
-                     skipped: Counter) -> Iterator[Document]:
+                     skipped: Counter, position: ReadPosition) -> Iterator[Document]:
     try:
         f = open(path, "rb")
     except OSError:
         skipped["unreadable"] += 1
         return
+    position.at_file(f)  # (the file on disk: a compressed one's bytes read, not those decompressed)
     with f:
         try:
             if compression and not f.peek(1):  # no gzip or zstd stream at all: a download cut before it began
@@ -312,7 +339,8 @@ def _iter_bytes_file(path: Path, name: str, fmt: str, compression: str | None, f
 
 
 def iter_file(path: Path, name: str, text_field: str, skipped: Counter,
-              damaged: list[str] | None = None, response_field: str = "", conversations=None) -> Iterator[Document]:
+              damaged: list[str] | None = None, response_field: str = "", conversations=None,
+              position: ReadPosition | None = None) -> Iterator[Document]:
     """The documents of one unit, in order, one at a time: a text file is one document named
     `name`; a jsonl file one per line (`name:LINE`), a parquet or arrow file one per row
     (`name:ROW`, from 1). Skips are counted into `skipped[reason]`. A corrupt compressed, parquet or
@@ -323,17 +351,18 @@ def iter_file(path: Path, name: str, text_field: str, skipped: Counter,
     `response_field`, a record (jsonl line, parquet or arrow row) is an instruction pair: its text field
     the prompt, this field the response (Document.trained_chars); with `conversations`
     (conversations.Conversations), its field holds a conversation made a pair by the chat template. A
-    text file stays a plain document either way."""
+    text file stays a plain document either way. `position` (a ReadPosition): how far the reading is, kept."""
     fmt, compression = unit_format(path)
+    position = position or ReadPosition()
     fields, accept = _record_reader(text_field, response_field, conversations)
     before = sum(skipped[r] for r in DAMAGE_REASONS)
     if fmt is None:
         skipped["other_suffix"] += 1
     elif fmt == "parquet":
-        yield from iter_parquet(path, name, fields, accept, skipped)
+        yield from iter_parquet(path, name, fields, accept, skipped, position)
     elif fmt == "arrow":
-        yield from iter_arrow(path, name, fields, accept, skipped)
+        yield from iter_arrow(path, name, fields, accept, skipped, position)
     else:
-        yield from _iter_bytes_file(path, name, fmt, compression, fields, accept, skipped)
+        yield from _iter_bytes_file(path, name, fmt, compression, fields, accept, skipped, position)
     if damaged is not None and sum(skipped[r] for r in DAMAGE_REASONS) > before:
         damaged.append(name)  # (not reached when the caller stops early, --max-docs: nothing was found)

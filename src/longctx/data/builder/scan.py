@@ -40,6 +40,7 @@ from .conversations import RULES, Conversations
 from .inputs import SCAN_FORMAT, SCAN_PLAN, input_files, read_once, unit_size
 from .readers import iter_file
 from .scan_pool import scan_in_workers
+from .scan_progress import ShardReport, ShardsRead, in_worker, worker_setter
 from .shard_files import ShardFiles
 
 SHARD_BYTES = 16 << 20
@@ -151,9 +152,9 @@ def shard_dir(work: Path, index: int) -> Path:
 
 
 def scan_shard(work: str, index: int, units: list[Unit], opts: ScanOptions, token_dtype: str,
-               max_docs: int = 0, on_unit=None) -> dict:
-    """Scan one shard into `work/shards/INDEX` (atomically); returns its counts. `on_unit(unit)`, if
-    given, is called as each input unit is done (progress, where the shard is scanned in-process)."""
+               max_docs: int = 0, on_read=None) -> dict:
+    """Scan one shard into `work/shards/INDEX` (atomically); returns its counts. `on_read(bytes)`, if given,
+    is told the bytes of its files read so far, while a file is read too (progress: scan_progress.py)."""
     final = shard_dir(Path(work), index)
     if (final / "shard.json").is_file():
         return json.loads((final / "shard.json").read_text())
@@ -168,12 +169,14 @@ def scan_shard(work: str, index: int, units: list[Unit], opts: ScanOptions, toke
     # with --max-docs, where each skip and each unit fell (the shard's documents before it): the build counts
     # only those before its last document (assembly.py), not the ones a shard read past the corpus' limit
     where = _Where(skipped) if max_docs else None
+    report = ShardReport(on_read)
     for u in units:
         mark, hurt = files.mark(), len(damaged)
         if where is not None:
             where.unit(files.n)
         for doc in iter_file(Path(u.path), u.name, opts.text_field, skipped, damaged, opts.response_field,
-                             conversations):
+                             conversations, report.position):
+            report.document()
             if where is not None:
                 where.skips(files.n)
             files.add(doc, tok)
@@ -185,8 +188,7 @@ def scan_shard(work: str, index: int, units: list[Unit], opts: ScanOptions, toke
             files.rollback(mark)  # a damaged file gives no document (readers.py)
             if where is not None:
                 where.rolled_back(files.n, damaged[hurt:])
-        if on_unit is not None:
-            on_unit(u)
+        report.unit_done(u.size)
         if max_docs and files.n >= max_docs:
             break
     files.close()
@@ -229,7 +231,7 @@ class _Where:
 
 
 def _scan_star(args) -> dict:
-    return scan_shard(*args)
+    return scan_shard(*args, on_read=worker_setter(args[1]))
 
 
 def remove_stale_partials(shards_dir: Path, pattern: str = ".tmp-*", host: str | None = None) -> None:
@@ -258,13 +260,14 @@ def _alive(pid: int) -> bool:
 
 
 def run_scans(work: Path, shards: list[list[Unit]], todo: range, opts: ScanOptions, token_dtype: str,
-              workers: int, max_docs: int = 0, on_done=None, on_unit=None) -> list[dict]:
+              workers: int, max_docs: int = 0, on_done=None, read: ShardsRead | None = None) -> list[dict]:
     """Scan the shards `todo` (skipping complete ones) in `workers` processes; counts in shard order.
     With `max_docs`, shards are scanned in order only until that many documents are read.
-    `on_done(counts, bytes)` is called as each shard is done; `on_unit(unit)` as each input unit is,
-    only where the shards are scanned in this process."""
+    `on_done(counts, bytes)` is called as each shard is done; `read` (made for `workers`) is kept the
+    bytes read of each shard, as the scan goes."""
     remove_stale_partials(work / SHARDS)
     jobs = [(str(work), i, shards[i], opts, token_dtype, max_docs) for i in todo]
+    read = read or ShardsRead(len(shards), workers)
     results: dict[int, dict] = {}
     done_docs = 0
 
@@ -272,18 +275,19 @@ def run_scans(work: Path, shards: list[list[Unit]], todo: range, opts: ScanOptio
         nonlocal done_docs
         results[c["index"]] = c
         done_docs += c["documents"]
+        read.done(c["index"], sum(u.size for u in shards[c["index"]]))
         if on_done is not None:
             on_done(c, sum(u.size for u in shards[c["index"]]))
 
     if workers <= 1 or len(jobs) <= 1:
         for j in jobs:
-            finished(scan_shard(*j, on_unit=on_unit))
+            finished(scan_shard(*j, on_read=read.setter(j[1])))
             if max_docs and done_docs >= max_docs:
                 break
     else:
         # (with max_docs: in order, a round of `workers` shards at a time, until enough documents)
         with closing(scan_in_workers(_scan_star, jobs, workers, lambda job: [u.path for u in job[2]],
-                                     rounds=bool(max_docs))) as results_in_turn:
+                                     rounds=bool(max_docs), initializer=(in_worker, read.raw))) as results_in_turn:
             for k, c in enumerate(results_in_turn, start=1):
                 finished(c)
                 if max_docs and k % workers == 0 and done_docs >= max_docs:

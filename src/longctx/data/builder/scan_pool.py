@@ -25,11 +25,14 @@ def worker_context():
     return mp.get_context("spawn")
 
 
-def scan_in_workers(fn, jobs: list[tuple], workers: int, files_of, rounds: bool = False):
+def scan_in_workers(fn, jobs: list[tuple], workers: int, files_of, rounds: bool = False, initializer=None):
     """`fn(job)` for each of `jobs` in `workers` processes; yields the results as they finish (`rounds`: in
     job order, a round of `workers` jobs at a time, the caller stopping between rounds). `files_of(job)`:
-    the input files a job reads, named when its worker dies."""
-    pool = ProcessPoolExecutor(workers, mp_context=worker_context())
+    the input files a job reads, named when its worker dies. `initializer`: (function, argument) each worker
+    runs first (what it shares with this process: given as it starts, as shared memory must be)."""
+    init, arg = initializer or (None, None)
+    pool = ProcessPoolExecutor(workers, mp_context=worker_context(), initializer=init,
+                               initargs=() if init is None else (arg,))
     try:
         if rounds:
             for a in range(0, len(jobs), workers):

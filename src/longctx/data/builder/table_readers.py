@@ -58,9 +58,10 @@ _STRING_TYPES = ("string", "large_string", "string_view")
 
 
 def _iter_values(batches: Iterator, columns: list, accept, name: str, skipped: Counter,
-                 reason: str) -> Iterator[Document]:
+                 reason: str, rows_read=None) -> Iterator[Document]:
     """Documents of the `columns` (indices, the record's fields in order) of record batches, each row's
-    values made a document by `accept`; a batch that cannot be read ends the unit, counted under `reason`."""
+    values made a document by `accept`; a batch that cannot be read ends the unit, counted under `reason`.
+    `rows_read(n)`, if given, is told the rows read so far (progress)."""
     row = 0
     while True:
         try:
@@ -74,12 +75,16 @@ def _iter_values(batches: Iterator, columns: list, accept, name: str, skipped: C
         for start in range(0, len(values[0]), ROWS):
             for fields in zip(*(v.slice(start, ROWS).to_pylist() for v in values)):
                 row += 1
+                if rows_read is not None:
+                    rows_read(row)
                 doc = accept(list(fields), f"{name}:{row}", skipped)
                 if doc is not None:
                     yield doc
 
 
-def iter_parquet(path: Path, name: str, fields: list[tuple], accept, skipped: Counter) -> Iterator[Document]:
+def iter_parquet(path: Path, name: str, fields: list[tuple], accept, skipped: Counter,
+                 position) -> Iterator[Document]:
+    """(`position`: readers.ReadPosition, moved by the rows read)"""
     pq = import_pyarrow(path).parquet
     try:
         pf = pq.ParquetFile(str(path))
@@ -89,17 +94,21 @@ def iter_parquet(path: Path, name: str, fields: list[tuple], accept, skipped: Co
     problem = _column_problem("parquet", path, fields, pf.schema_arrow)
     if problem is not None:
         raise problem
+    rows_read = position.at_rows(pf.metadata.num_rows, path.stat().st_size)
     yield from _iter_values(pf.iter_batches(columns=[f for f, _, _ in fields], batch_size=ROWS),
-                            list(range(len(fields))), accept, name, skipped, "bad_parquet_file")
+                            list(range(len(fields))), accept, name, skipped, "bad_parquet_file", rows_read)
 
 
-def iter_arrow(path: Path, name: str, fields: list[tuple], accept, skipped: Counter) -> Iterator[Document]:
+def iter_arrow(path: Path, name: str, fields: list[tuple], accept, skipped: Counter,
+               position) -> Iterator[Document]:
+    """(`position`: readers.ReadPosition, at the memory map's place)"""
     pa = import_pyarrow(path)
     try:
         source = pa.memory_map(str(path))  # batches are read in place, not copied into memory
     except OSError:
         skipped["unreadable"] += 1
         return
+    position.at_file(source)
     with source:
         try:
             stream = pa.ipc.open_stream(source)  # what datasets' save_to_disk writes
