@@ -68,6 +68,8 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
     check_exportable(cfg)  # (before the whole model is built and read: minutes and its size in memory)
     out = Path(os.path.abspath(Path(out).expanduser()))  # (a name to rename, also for OUT '.')
     check_output(out, cfg.init_from)
+    source, why = _tokenizer_source(cfg.init_from, manifest.get("tokenizer"), manifest.get("tokenizer_identity"))
+    _check_template(source)  # (before the weights' read: minutes for a large model)
     model = build_model(cfg, device="cpu", seed=None)
     load_model_weights(path, model)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -75,8 +77,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
     trained = int(manifest.get("trained_positions") or 0)  # (0: a checkpoint older than the record)
     try:
         save_hf(model, work, max_shard_bytes=max_shard_bytes, dtype=dtype, trained_positions=trained)
-        copied, why = _copy_tokenizer(cfg.init_from, manifest.get("tokenizer"), work,
-                                      manifest.get("tokenizer_identity"))
+        copied = copy_tokenizer_files(source, work) if source is not None else []
         ids, unknown = special_token_ids(manifest)
         config_file = work / "config.json"
         config = {**json.loads(config_file.read_text()), **ids, **_source_window(cfg), **_source_router_coef(cfg)}
@@ -276,23 +277,35 @@ def special_token_ids(manifest: dict) -> tuple[dict, str]:
     return ids, ""
 
 
-def _copy_tokenizer(init_from: str, recorded: str | None, out: Path, identity: str | None = None
-                    ) -> tuple[list[str], str]:
-    """`identity`: the content the manifest records for `recorded` (config/tokenizer.py), which the files
-    copied must have: the recorded file edited since the run is not its tokenizer."""
+def _tokenizer_source(init_from: str, recorded: str | None, identity: str | None = None) -> tuple[Path | None, str]:
+    """Where the export copies its tokenizer files from (the source Hugging Face directory's, else the run's
+    recorded tokenizer), or None and why none. `identity`: the content the manifest records for `recorded`
+    (config/tokenizer.py), which the files copied must have: the recorded file edited since the run is not its
+    tokenizer."""
     init_from = source_hf(init_from, recorded, identity=identity)  # (through checkpoints that kept its tokenizer)
-    if init_from.startswith("hf:") and hf_dir(init_from).is_dir():
-        copied = copy_tokenizer_files(hf_dir(init_from), out)
-        if copied:
-            return copied, ""
+    if init_from.startswith("hf:") and any((hf_dir(init_from) / name).is_file() for name in TOKENIZER_FILES):
+        return hf_dir(init_from), ""
     if recorded == "byte":
-        return [], ("the run used longctx's byte tokenizer, which has no tokenizer files: transformers loads the "
-                    "weights, but text must be encoded as UTF-8 bytes (256 = BOS, 257 = EOS)")
+        return None, ("the run used longctx's byte tokenizer, which has no tokenizer files: transformers loads the "
+                      "weights, but text must be encoded as UTF-8 bytes (256 = BOS, 257 = EOS)")
     if not recorded:
-        return [], "the checkpoint records no tokenizer (written before longctx recorded one)"
+        return None, "the checkpoint records no tokenizer (written before longctx recorded one)"
     source = Path(recorded)
     if not (source / "tokenizer.json" if source.is_dir() else source).is_file():
-        return [], f"the run's tokenizer {recorded} no longer exists"
+        return None, f"the run's tokenizer {recorded} no longer exists"
     if identity and tokenizer_identity(recorded) != identity:
-        return [], f"the run's tokenizer {recorded} has changed since the run ({identity} then, not this content)"
-    return copy_tokenizer_files(source, out), ""
+        return None, f"the run's tokenizer {recorded} has changed since the run ({identity} then, not this content)"
+    return source, ""
+
+
+def _check_template(source: Path | None) -> None:
+    """A ConfigError naming the file when the chat template beside the tokenizer the export copies cannot be read
+    (data/chat_template.py). Read in the copy only, the error named `--chat`, a flag the export has none of, and a
+    scratch directory the failed export removes; and a chat_template.jinja linking to nothing was not copied, so
+    the copy's generation stops came from tokenizer_config.json's template, without a word."""
+    if source is None:
+        return
+    try:
+        load_chat_template(str(source), "checkpoint export (its generation_config.json's end-of-turn stop)")
+    except NoChatTemplate:  # (a base tokenizer: _chat_stops writes no stop of its own)
+        pass
