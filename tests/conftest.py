@@ -93,3 +93,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """Freeze what collection left alive (every collected module, function and fixture: about 560,000 tracked
+    objects when a worker collects the whole suite) out of the collector's scans. A full gc.collect() then walks
+    only what the tests made since, not that heap: 0.4 s of CPU per call otherwise, in every in-process
+    command's end (job/launch.py release_groups), memory measurements and audits. Cycles among the tests' own
+    objects are still found and freed; nothing frozen here is garbage (collected just before)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

@@ -46,10 +46,14 @@ def young_heap_gc():
     """gc.collect() over the objects made from here on: what was alive before (a test process's
     imports, other tests' objects: seconds per full collection in a loaded worker, 20 of them) is
     frozen out of the scans; a cycle among the step's own objects is still found and freed."""
+    session_froze = gc.get_freeze_count() > 0  # (tests/conftest.py freezes what collection left)
     gc.collect()
     gc.freeze()
     yield
     gc.unfreeze()
+    if session_froze:  # as the session's freeze left it: what is alive now frozen, nothing frozen that is garbage
+        gc.collect()
+        gc.freeze()
 
 
 def test_nothing_held_after_backward_over_twenty_steps(young_heap_gc):
