@@ -11,9 +11,10 @@ counts in `compile_limit_hits` (since the job started), on every line after, so 
 says so wherever its metrics are read. Only rank 0 prints: another rank's recompiles (a shape only it sees) travel
 to rank 0 at the next metrics line, beside the collective that line makes anyway (an object gather more only at a
 line where some rank has a cause it has not sent before), and are said there once per cause (a function and the
-guard that failed; one rank 0 said itself is not said again), naming the ranks that had it; in a job of several
-ranks, rank 0's own lines name rank 0. ZeRO++'s compiled int8 kernels (parallel.zero_pp_kernels, compiled at
-set-up) are watched the same way, with or without train.compile.
+guard that failed; one rank 0 said itself is not said again), naming the ranks that had it; rank 0's own lines
+name no rank (the same shapes reach every rank of a data-parallel job: "on rank 0" read as rank 0 alone).
+ZeRO++'s compiled int8 kernels (parallel.zero_pp_kernels, compiled at set-up) are watched the same way, with or
+without train.compile.
 
 Not an error: past the limit the region runs as train.compile=false runs it, with the same numbers and at eager
 speed (its recompiles, at most the limit's, are spent), so stopping the run would only lose its progress to reach
@@ -57,7 +58,7 @@ class RecompileHook(StepHook):
         self._per_function: dict[str, int] = {}  # recompiles said so far, per region
         self._steps_seen = self._evals_seen = 0
         self._said = False  # a recompile line said already (the first explains)
-        self._rank, self._world = getattr(rt, "rank", 0), getattr(rt, "world", 1)
+        self._rank = getattr(rt, "rank", 0)
         self._unsent: list[tuple[str, tuple]] = []  # (another rank) its reads' new causes, for rank 0 to say
         self._causes: set[tuple] = set()  # (rank 0) the causes said; (another rank) the causes sent to rank 0
 
@@ -100,7 +101,7 @@ class RecompileHook(StepHook):
         """Rank 0 says `line(where)` at once; another rank keeps the causes it has not sent yet for the next metrics
         line's gather (_say_other_ranks)."""
         if self._rank == 0:
-            self.log(line(" on rank 0" if self._world > 1 else ""))
+            self.log(line(""))  # (unnamed: a shape rank 0 sees, every rank of a data-parallel job sees too)
             self._causes.update(map(_cause, recompiles))
             return
         new = tuple(r for r in recompiles if _cause(r) not in self._causes)
