@@ -100,7 +100,8 @@ def test_the_next_forward_runs_while_later_units_are_still_updated():
     assert seen[0] == [0, 1] and seen[1][:3] == [0, 1, 2] and seen[2] == [0, 1, 2, 3]
     # the forward waited from right after step() to the last unit: about the whole update, and more by its own
     # wake-ups (the worker's start, the last unit's ready), which host_step_s does not hold: a few ms either way
-    assert 0 < opt.host_exposed_s <= opt.host_step_s + 0.05, (opt.host_exposed_s, opt.host_step_s)
+    # on an idle machine, ~0.1 s on a loaded CI worker (2.52 s vs 2.40 s seen); waiting twice would be ~2x
+    assert 0 < opt.host_exposed_s <= 1.1 * opt.host_step_s + 0.05, (opt.host_exposed_s, opt.host_step_s)
 
 
 def test_a_state_dict_waits_for_the_update_in_flight():

@@ -46,16 +46,21 @@ def test_the_innermost_phase_is_said_inside_its_outer_ones_and_current_counts_it
 
 
 def test_no_gap_between_lines_exceeds_the_interval_much(capsys, monkeypatch):
-    times = []
-    monkeypatch.setattr(progress, "_write", lambda line: times.append(time.monotonic()))
-    t0 = time.monotonic()
-    with phase("work"):
-        for _ in range(4):  # short phases inside a long one: the silence is counted across them
-            with phase("step", done_line=False):
-                time.sleep(0.25)
-    end = time.monotonic()
-    gaps = [b - a for a, b in zip([t0, *times], [*times, end])]
-    assert len(times) >= 3 and max(gaps) < INTERVAL + 0.5, gaps
+    def gaps() -> tuple[int, list[float]]:
+        times = []
+        monkeypatch.setattr(progress, "_write", lambda line: times.append(time.monotonic()))
+        t0 = time.monotonic()
+        with phase("work"):
+            for _ in range(4):  # short phases inside a long one: the silence is counted across them
+                with phase("step", done_line=False):
+                    time.sleep(0.25)
+        end = time.monotonic()
+        return len(times), [b - a for a, b in zip([t0, *times], [*times, end])]
+
+    # (best of 3: a loaded CI worker can hold the heartbeat's thread off once; the bug, silence reset by each
+    # inner phase, gives one 1 s gap every time)
+    tries = [gaps() for _ in range(3)]
+    assert any(n >= 3 and max(g) < INTERVAL + 0.5 for n, g in tries), tries
 
 
 def test_a_fast_phase_prints_nothing(capsys):
@@ -80,10 +85,15 @@ def test_lines_can_be_turned_off(capsys, monkeypatch):
     assert _lines(capsys) == []
 
 
-def test_an_error_ends_the_phase_without_a_done_line(capsys):
+def test_an_error_ends_the_phase_without_a_done_line(capsys, monkeypatch):
+    said = []
+    write = progress._write
+    monkeypatch.setattr(progress, "_write", lambda line: (said.append(line), write(line)))
     with pytest.raises(RuntimeError):
         with phase("failing"):
-            time.sleep(3 * INTERVAL)  # a heartbeat is due at INTERVAL: room for a late wake-up of its thread
+            deadline = time.monotonic() + 30  # a heartbeat is due at INTERVAL: room for a loaded worker's late one
+            while not said and time.monotonic() < deadline:
+                time.sleep(INTERVAL / 4)
             raise RuntimeError("stop")
     lines = _lines(capsys)
     assert lines and not any("done in" in line for line in lines)
