@@ -22,14 +22,17 @@ def load_weights_into(path: Path, model, rt, log=print, flag: str = "model.init_
     checkpoint, for the errors (draft.target for a draft's target)."""
     manager = CheckpointManager(path.parent, keep=0, async_save=False, rank=rt.rank, world=rt.world, layout={},
                                 model_cfg={}, log=log, create=False)
-    manifest, problems = manager.find_damage(path)
+    # (phases, as load_model_weights' are: an 8B model's two reads are minutes each; the ranks' checksums are split
+    # among them, so rank 0, which speaks, has no count of the whole)
+    with phase(f"checkpoint: verifying the checksums of {path}", done_line=False):
+        manifest, problems = manager.find_damage(path)
     if problems:
         raise CheckpointError(f"{flag}: checkpoint {path} is damaged: {damage_report(problems)}. Nothing was "
                               f"loaded. Name an intact checkpoint, e.g. an earlier step of {path.parent} "
                               f"(`longctx checkpoint verify PATH` checks one).")
     state = {"model": get_model_state_dict(model)}
     check_weights_fit(path, state["model"], "start from a checkpoint of the configured model")
-    with _single_process(rt.world == 1):
+    with _single_process(rt.world == 1), phase(f"checkpoint: reading {path}", done_line=False):
         dcp.load(state, checkpoint_id=str(path), process_group=manager.group, no_dist=rt.world == 1)
     set_model_state_dict(model, state["model"])
     model.init_rope()
