@@ -272,3 +272,23 @@ def test_evals_launcher_names_the_kept_file_when_its_own_signal_stopped_the_job(
     said = _said(_stopped_by("SIGTERM", "eval", kept_where("/runs/out.json")))
     assert "/runs/out.incomplete.json" in said and said.startswith("stopped by SIGTERM before `longctx eval`"), said
     assert "lines it finished" in _stopped_by("SIGTERM", "generate")  # (generate names no file: its fallback)
+
+
+def test_generates_outside_stop_says_what_it_keeps_as_the_launchers_own_stop_does():
+    """A generate rank stopped by a signal sent to it alone: the launcher's message said nothing of the lines kept
+    in FILE.partial, which its message for its own signal says (one rule for both now)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from longctx.job.relaunch import _first_failure, _stopped_by
+
+    def failure(rank, code):
+        f = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=code, error_file="/nonexistent")
+        f.timestamp = 100
+        return f
+
+    error = _first_failure({0: failure(0, 1), 1: failure(1, 128 + int(signal.SIGTERM))}, 2, command="generate",
+                           lost={0: 5.0})
+    said = _said(error)
+    assert said.startswith("rank 1 of 2 was stopped by SIGTERM"), said
+    kept = _said(_stopped_by("SIGTERM", "generate")).split("(it saves no checkpoint): ")[1].rstrip(".")
+    assert kept in said and "FILE.partial" in said, said

@@ -124,5 +124,5 @@ def outside_stop_message(rank: int, nproc: int, sig: signal.Signals, exitcode: i
         said += (" A training run that saves checkpoints stops on it at a step boundary after saving "
                  "(checkpoint.on_signal), on every rank.")
     elif kept:
-        said += f" `longctx {command}` saves no checkpoint: {kept}."
+        said += f" Of what `longctx {command}` finished: {kept}."  # (no checkpoint to speak of, unlike train)
     return said

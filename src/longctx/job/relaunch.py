@@ -289,21 +289,25 @@ def _no_failed_worker_line(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("failed (exitcode")
 
 
-# what a job stopped by a signal the launcher got leaves behind, by command (train's checkpoints: _stopped_by)
+# what a job stopped by a signal leaves behind, by command, where the command does not say it (relaunch's `kept`:
+# eval names its own .incomplete file, eval/stopped.py kept_where; train's checkpoints: _stopped_by)
 _LEFT_BY_A_STOP = {
     "generate": "the lines it finished, if any, stay in --output's FILE.partial (FILE itself is written only by a "
                 "whole run), or went to stdout; run it again for every line",
-    "eval": "the lengths it finished, if any, are kept where rank 0 said above (--output's .incomplete file); run "
-            "it again for the others",
 }
+
+
+def _left_by_a_stop(command: str, kept: str) -> str:
+    """What a stopped `command` (not train) keeps and where: the command's own `kept`, else _LEFT_BY_A_STOP's
+    ('' when neither says): one rule for a stop by the launcher's signal and for one sent to a rank alone."""
+    return kept or _LEFT_BY_A_STOP.get(command, "")
 
 
 def _stopped_by(signame: str, command: str, kept: str = "") -> str:
     """The error of a job this launcher's signal (SIGTERM, Ctrl-C's SIGINT) stopped: for train, what its ranks
-    save; for generate and eval, which save no checkpoint, what the command itself keeps (`kept`, where the command
-    named it: eval's file; else _LEFT_BY_A_STOP)."""
+    save; for generate and eval, which save no checkpoint, what the command itself keeps (_left_by_a_stop)."""
     if command != "train":
-        left = kept or _LEFT_BY_A_STOP.get(command, "run it again")
+        left = _left_by_a_stop(command, kept) or "run it again"
         return f"stopped by {signame} before `longctx {command}` finished (it saves no checkpoint): {left}."
     return (f"stopped by {signame} before the ranks saved a checkpoint (they save on checkpoint.on_signal when the "
             f"run saves: checkpoint.interval > 0 or checkpoint.final, from their set-up on; one that came while they "
@@ -355,7 +359,7 @@ def _first_failure(failures: dict, nproc: int, passed=(), crashed: dict[int, flo
     if first_rank in outside:
         sig = stop_signal(failure.exitcode)
         said = outside_stop_message(first_rank, nproc, sig, failure.exitcode, sorted(set(lost) & set(others)),
-                                    others, command, kept)
+                                    others, command, _left_by_a_stop(command, kept))
         return RankError(said, 128 + int(sig))
     signalled = failure.exitcode is not None and -failure.exitcode in passed  # (the launcher's signal, not a crash)
     message = (f"rank {first_rank} of {nproc} failed first ({what}); the job was stopped"
