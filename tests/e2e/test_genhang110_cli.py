@@ -86,9 +86,11 @@ def test_two_ranks_whose_reader_closes_end_at_once_as_one_process_does(tmp_path,
 
 
 def _stopped_launch(tmp_path, monkeypatch, command: str) -> None:
-    """The launcher of `longctx COMMAND --nproc 2`, got SIGTERM while its ranks ran (torchrun's agent raises)."""
+    """The launcher of `longctx COMMAND --nproc 2`, got SIGTERM while its ranks ran (torchrun's agent raises);
+    `kept` as each command's own launch passes it (eval names its --output's .incomplete file; generate nothing)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    from longctx.eval.stopped import kept_where
     from longctx.job import relaunch
 
     def run(_args):
@@ -96,7 +98,8 @@ def _stopped_launch(tmp_path, monkeypatch, command: str) -> None:
 
     monkeypatch.setattr(relaunch, "run", run)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # (share_cores would set it for the ranks)
-    relaunch._relaunch(2, [command, "--checkpoint", "hf:x"], 0.5, tmp_path)
+    kept = kept_where(str(tmp_path / "out.json")) if command == "eval" else ""
+    relaunch._relaunch(2, [command, "--checkpoint", "hf:x"], 0.5, tmp_path, kept=kept)
 
 
 @pytest.mark.parametrize("command, kept", [("generate", "FILE.partial"), ("eval", ".incomplete")])
