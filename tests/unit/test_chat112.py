@@ -251,14 +251,15 @@ def test_evals_launcher_names_where_the_finished_lengths_are_kept_when_a_rank_wa
 
 def test_an_export_does_not_read_an_unreadable_template_as_none(tmp_path, tok):
     """An export's generation stops (checkpoint/export.py _chat_stops) came from the template: one that cannot be
-    read was taken for a base tokenizer's none, and the export wrote no end-of-turn stop without a word."""
-    from longctx.checkpoint.export import _chat_stops
+    read was taken for a base tokenizer's none, and the export wrote no end-of-turn stop without a word. (The
+    template is read once, by _read_template, which _chat_stops takes it from.)"""
+    from longctx.checkpoint.export import _read_template
 
     work = tmp_path / "export"
     shutil.copytree(tok, work)
     (work / "chat_template.jinja").write_bytes(b"\xff\xfe{{ messages }}")  # (not UTF-8)
     with pytest.raises(ConfigError) as e:
-        _chat_stops(work, {"eos_token_id": 0})
+        _read_template(work)
     assert str(work / "chat_template.jinja") in _said(e.value), _said(e.value)
     assert not (work / "generation_config.json").exists()
 

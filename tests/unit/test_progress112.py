@@ -291,17 +291,17 @@ def test_a_runs_init_from_load_is_two_phases(tmp_path, monkeypatch):
     quiet_log = lambda *a, **k: None  # noqa: E731
     trainer_module.Trainer(load_config(None, run + [f"--train.run_dir={tmp_path / 'a'}"]), log=quiet_log).run()
     seen = []
-    real_find, real_load = manager_module.CheckpointManager.find_damage, weights_only.dcp.load
+    real_find, real_load = manager_module.CheckpointManager._find_damage, weights_only.dcp.load
 
-    def find_damage(self, path):
+    def find_damage(self, path, progress):  # (the checks themselves, inside find_damage's phase)
         seen.append(("verify", [p.what for p in _running()]))
-        return real_find(self, path)
+        return real_find(self, path, progress)
 
     def load(*a, **kw):
         seen.append(("read", [p.what for p in _running()]))
         return real_load(*a, **kw)
 
-    monkeypatch.setattr(manager_module.CheckpointManager, "find_damage", find_damage)
+    monkeypatch.setattr(manager_module.CheckpointManager, "_find_damage", find_damage)
     monkeypatch.setattr(weights_only.dcp, "load", load)
     step = tmp_path / "a" / "checkpoints" / "step-00000001"
     trainer_module.Trainer(load_config(None, run + [f"--train.run_dir={tmp_path / 'b'}", f"--model.init_from={step}"]),

@@ -38,7 +38,7 @@ from ..config.hf_export import SPECIAL_TOKEN_KEYS, check_exportable, declared_sp
 from ..config.hf_families import MOE_DEFAULTS, QWEN_FAMILIES, family_window
 from ..config.hf_rope import config_reach
 from ..config.tokenizer import source_hf, tokenizer_file, tokenizer_identity
-from ..data.chat_template import NoChatTemplate, load_chat_template, turn_end_id
+from ..data.chat_template import ChatTemplate, NoChatTemplate, load_chat_template, turn_end_id
 from ..data.tokenizer import load_tokenizer
 from ..durable import fsync_path, publish, scratch_dir
 from ..models.hf import TOKENIZER_FILES, copy_tokenizer_files, save_hf
@@ -69,7 +69,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
     out = Path(os.path.abspath(Path(out).expanduser()))  # (a name to rename, also for OUT '.')
     check_output(out, cfg.init_from)
     source, why = _tokenizer_source(cfg.init_from, manifest.get("tokenizer"), manifest.get("tokenizer_identity"))
-    _check_template(source)  # (before the weights' read: minutes for a large model)
+    template = _read_template(source)  # (before the weights' read: minutes for a large model)
     model = build_model(cfg, device="cpu", seed=None)
     load_model_weights(path, model)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -83,7 +83,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
         config = {**json.loads(config_file.read_text()), **ids, **_source_window(cfg), **_source_router_coef(cfg)}
         config_file.write_text(json.dumps(config, indent=2) + "\n")
         tokenizer_note = _tokenizer_reach(work, config_reach(config))
-        turn_note = _chat_stops(work, config)
+        turn_note = _chat_stops(work, config, template)
         (work / EXPORT_MARK).write_text(json.dumps({"format": "longctx-hf-export/1", "checkpoint": str(path),
                                                     "step": manifest.get("step")}, indent=2) + "\n")
         _publish(work, out)
@@ -123,20 +123,16 @@ def _capacity_note(cfg) -> str | None:
                          "and longctx's eval and generate run the checkpoint dropless too")
 
 
-def _chat_stops(work: Path, config: dict) -> str:
+def _chat_stops(work: Path, config: dict, template: ChatTemplate | None) -> str:
     """Write generation_config.json with the ids `longctx generate --chat` stops at, the chat template's end of
     turn first, then config.json's EOS ids (the end of document, for a run from scratch), when the exported
-    tokenizer has a chat template whose end of turn config.json leaves out and no generation_config.json came
-    with the source (an hf: source's own is copied unchanged). transformers' generate stops at
-    generation_config.json's eos_token_id: with config.json's alone, an answer ran on past <|im_end|>. The note
-    says what was written ('': nothing)."""
+    tokenizer has a chat template (`template`: _read_template's, of the files copied; None: none, a base
+    tokenizer, for which config.json's EOS is generate's stop too) whose end of turn config.json leaves out and no
+    generation_config.json came with the source (an hf: source's own is copied unchanged). transformers' generate
+    stops at generation_config.json's eos_token_id: with config.json's alone, an answer ran on past <|im_end|>.
+    The note says what was written ('': nothing)."""
     tokenizer_json = work / "tokenizer.json"
-    if (work / "generation_config.json").exists() or not tokenizer_json.is_file():
-        return ""
-    try:
-        template = load_chat_template(str(tokenizer_json))
-    except NoChatTemplate:  # (a base tokenizer, for which config.json's EOS is generate's stop too; an unreadable
-        # template is its own error, not "none")
+    if template is None or (work / "generation_config.json").exists() or not tokenizer_json.is_file():
         return ""
     eos = config.get("eos_token_id")
     eos = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
@@ -298,14 +294,15 @@ def _tokenizer_source(init_from: str, recorded: str | None, identity: str | None
     return source, ""
 
 
-def _check_template(source: Path | None) -> None:
-    """A ConfigError naming the file when the chat template beside the tokenizer the export copies cannot be read
-    (data/chat_template.py). Read in the copy only, the error named `--chat`, a flag the export has none of, and a
-    scratch directory the failed export removes; and a chat_template.jinja linking to nothing was not copied, so
-    the copy's generation stops came from tokenizer_config.json's template, without a word."""
+def _read_template(source: Path | None) -> ChatTemplate | None:
+    """The chat template beside the tokenizer the export copies (None: no tokenizer, or one without a template),
+    read once: _chat_stops takes it, the copy's files being these. A ConfigError naming the file when it cannot be
+    read (data/chat_template.py). Read in the copy only, the error named `--chat`, a flag the export has none of,
+    and a scratch directory the failed export removes; and a chat_template.jinja linking to nothing was not copied,
+    so the copy's generation stops came from tokenizer_config.json's template, without a word."""
     if source is None:
-        return
+        return None
     try:
-        load_chat_template(str(source), "checkpoint export (its generation_config.json's end-of-turn stop)")
+        return load_chat_template(str(source), "checkpoint export (its generation_config.json's end-of-turn stop)")
     except NoChatTemplate:  # (a base tokenizer: _chat_stops writes no stop of its own)
-        pass
+        return None

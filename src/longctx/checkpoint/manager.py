@@ -60,7 +60,9 @@ from ..durable import publish, write_text_durably
 from ..faults import planned
 from ..job import comm, watchdog
 from ..job.launch import new_gloo_group
+from ..progress import phase
 from .background import Worker, host_copies, reusable_stager, silence_single_process_save
+from .counted_read import CountingReader
 from .failures import SAVE_ERRORS, save_failed, state_bytes
 from .manifest import (
     CHECKSUM_MISMATCH,
@@ -308,17 +310,26 @@ class CheckpointManager:
         self._finishing = None
 
     # ------------------------------------------------------------------ verifying
-    def find_damage(self, path: Path) -> tuple[dict | None, dict[str, str]]:
+    def find_damage(self, path: Path, progress=None) -> tuple[dict | None, dict[str, str]]:
         """(manifest, {file: what is wrong}); the same on every rank. Each rank checks its share of the
         files (presence, size, sha256) and one all-reduce of per-file codes combines the verdicts.
-        The manifest itself is read by every rank (a shared file system, as DCP needs anyway)."""
+        The manifest itself is read by every rank (a shared file system, as DCP needs anyway).
+        A progress phase counts the MB checksummed of this rank's share (`progress`, the caller's, or its own)."""
+        if progress is not None:
+            return self._find_damage(path, progress)
+        share = " (this rank's share)" if self.world > 1 else ""  # (an 8B model's checksums are minutes)
+        with phase(f"checkpoint: verifying the checksums of {path}{share}", done_line=False) as progress:
+            return self._find_damage(path, progress)
+
+    def _find_damage(self, path: Path, progress) -> tuple[dict | None, dict[str, str]]:
         try:
             manifest = read_manifest(path)
         except DamagedManifest as e:
             return None, {MANIFEST: e.problem}
         entries = manifest["files"]
         shares = verification_shares(entries, self.world)
-        mine = {i: file_problem(path, e) for i, e in enumerate(entries) if shares[i] == self.rank}
+        progress.expect(sum(e["bytes"] for i, e in enumerate(entries) if shares[i] == self.rank) / 1e6, "MB")
+        mine = {i: file_problem(path, e, progress=progress) for i, e in enumerate(entries) if shares[i] == self.rank}
         # per file: 0 intact, 1 missing or wrong size, 2 checksum mismatch (max over ranks = any rank's finding)
         codes = torch.tensor([0 if mine.get(i) is None else 2 if mine[i] == CHECKSUM_MISMATCH else 1
                               for i in range(len(entries))], dtype=torch.int32)
@@ -373,9 +384,10 @@ class CheckpointManager:
         return None
 
     # ------------------------------------------------------------------ loading
-    def load(self, path: Path, model, optimizer, manifest: dict | None = None) -> dict:
+    def load(self, path: Path, model, optimizer, manifest: dict | None = None, progress=None) -> dict:
         """Restore model, optimizer and RNG from `path` into the current layout; returns the trainer state.
-        `manifest` is one `resume_point` verified already; without it the checkpoint is verified here."""
+        `manifest` is one `resume_point` verified already; without it the checkpoint is verified here.
+        `progress` (a progress.Phase of the read), if given, counts the MB of this rank's read (counted_read.py)."""
         if manifest is None:
             manifest = self.verified_manifest(path)
         check_model_matches(manifest, self.model_cfg, path)
@@ -391,7 +403,8 @@ class CheckpointManager:
         # would bring the saver's. (lr: the trainer sets the schedule's every step.)
         own_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         with _single_process(self.world == 1):
-            dcp.load(state, checkpoint_id=str(path), process_group=self.group, no_dist=self.world == 1)
+            dcp.load(state, storage_reader=CountingReader(path, progress), process_group=self.group,
+                     no_dist=self.world == 1)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         for group, own in zip(optimizer.param_groups, own_groups):
             params = group["params"]

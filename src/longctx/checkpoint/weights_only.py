@@ -10,6 +10,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from ..config.checkpoint_paths import CheckpointError
 from ..progress import phase
+from .counted_read import CountingReader
 from .manager import CheckpointManager, _single_process
 from .manifest import check_weights_fit, damage_report, verify
 
@@ -23,17 +24,17 @@ def load_weights_into(path: Path, model, rt, log=print, flag: str = "model.init_
     manager = CheckpointManager(path.parent, keep=0, async_save=False, rank=rt.rank, world=rt.world, layout={},
                                 model_cfg={}, log=log, create=False)
     # (phases, as load_model_weights' are: an 8B model's two reads are minutes each; the ranks' checksums are split
-    # among them, so rank 0, which speaks, has no count of the whole)
-    with phase(f"checkpoint: verifying the checksums of {path}", done_line=False):
-        manifest, problems = manager.find_damage(path)
+    # among them, so rank 0, which speaks, counts the MB of its own share, and says so: find_damage's phase)
+    manifest, problems = manager.find_damage(path)
     if problems:
         raise CheckpointError(f"{flag}: checkpoint {path} is damaged: {damage_report(problems)}. Nothing was "
                               f"loaded. Name an intact checkpoint, e.g. an earlier step of {path.parent} "
                               f"(`longctx checkpoint verify PATH` checks one).")
     state = {"model": get_model_state_dict(model)}
     check_weights_fit(path, state["model"], "start from a checkpoint of the configured model")
-    with _single_process(rt.world == 1), phase(f"checkpoint: reading {path}", done_line=False):
-        dcp.load(state, checkpoint_id=str(path), process_group=manager.group, no_dist=rt.world == 1)
+    with _single_process(rt.world == 1), phase(f"checkpoint: reading {path}", done_line=False) as progress:
+        dcp.load(state, storage_reader=CountingReader(path, progress), process_group=manager.group,
+                 no_dist=rt.world == 1)  # (counting this rank's MB read: counted_read.py)
     set_model_state_dict(model, state["model"])
     model.init_rope()
     return manifest
@@ -41,13 +42,13 @@ def load_weights_into(path: Path, model, rt, log=print, flag: str = "model.init_
 
 def load_model_weights(path: Path, model) -> dict:
     """Only the model weights of a checkpoint, into a single-process model (export, generate). Its two reads of
-    the files (an 8B model's: minutes each) run as progress phases, the checksums' counting the MB read."""
+    the files (an 8B model's: minutes each) run as progress phases, each counting the MB read."""
     with phase(f"checkpoint: verifying the checksums of {path}", done_line=False) as progress:
         manifest = verify(path, checksums=True, progress=progress)
     state = {"model": model.state_dict()}
     # (the model is built from the checkpoint's own config: tensors beyond it mean a config that does not describe them)
     check_weights_fit(path, state["model"], "use the longctx version that wrote it")
-    with _single_process(True), phase(f"checkpoint: reading {path}", done_line=False):  # (DCP's read: no count)
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    with _single_process(True), phase(f"checkpoint: reading {path}", done_line=False) as progress:
+        dcp.load(state, storage_reader=CountingReader(path, progress), no_dist=True)
     model.load_state_dict(state["model"])
     return manifest

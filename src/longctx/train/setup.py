@@ -345,8 +345,8 @@ def open_checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer
             log(f"checkpoint: nothing to resume in {root}; starting at step 1")
         return manager, 0
     path, manifest = found
-    with phase(f"checkpoint: reading {path}", done_line=False):  # (a large model's states: minutes)
-        state = manager.load(path, model, optimizer, manifest)
+    with phase(f"checkpoint: reading {path}", done_line=False) as progress:  # (a large model's states: minutes)
+        state = manager.load(path, model, optimizer, manifest, progress=progress)  # (counting this rank's MB)
     sampler.load_state_dict(state["sampler"])
     # (both layouts whole, the expert degree too: a resume under another one reshards the experts)
     log(f"checkpoint: resumed step {state['step']} from {path} (written by {layout_text(state['manifest']['layout'])}; "
