@@ -15,8 +15,8 @@ outer ones, how long each has run and, where the caller counts, done/total and t
     ... data build [48s] > embed [21s]: 800/1,716 documents (47%), about 24s left
 
 A count moves inside long work, not only between its pieces (a file's MB read, a prefill's chunks, a long
-sequence's layers), or the time left would climb while one runs; a count kept elsewhere (worker processes'
-shared memory) is read whenever the phase is said (`Phase.follow`).
+sequence's layers, a training step's blocks: train/step_progress.py), or the time left would climb while one
+runs; a count kept elsewhere (worker processes' shared memory) is read whenever the phase is said (`Phase.follow`).
 
 A phase that ran that long ends with a line of its time (unless its caller says its own); work that
 finishes sooner prints nothing, so short runs read as before. Only rank 0 (env RANK) speaks. The
@@ -82,6 +82,8 @@ def duration(seconds: float) -> str:
 
 class Phase:
     """One piece of long work: what it is, since when, and (when the caller counts) done of total."""
+
+    quiet = False  # (a process that does not speak: its count is read by no line)
 
     def __init__(self, what: str, total: float | None = None, unit: str = "", bar=None):
         self.what, self.total, self.unit, self.bar = what, total, unit, bar
@@ -173,6 +175,8 @@ def _count(n: float, total: float) -> str:
 
 class _Quiet(Phase):
     """The phase of a process that does not speak (rank > 0, lines off): counts, says nothing."""
+
+    quiet = True
 
 
 class _Heartbeat:

@@ -76,6 +76,7 @@ def forward_backward(trainer, step: int, micro: list, valid: int | torch.Tensor)
     for i, batch in enumerate(micro):
         set_gradient_sync(trainer.model, i == len(micro) - 1 or trainer.cfg.memory.grad_sync == "micro_batch")
         watchdog.phase(step, "forward")
+        trainer.step_counts.micro_batch(i, len(micro))  # (the training phase's count, block by block: step_progress.py)
         loss_sum = forward_loss_sum(trainer.model, batch, trainer.autocast_dtype)
         total = loss_sum * weight
         for term in trainer.hooks.after_forward(len(micro), scale):

@@ -76,6 +76,7 @@ from .setup import (
     run_tokenizer,
 )
 from .stages import StagedLoader, holdout_note, start_positions, tokens_through
+from .step_progress import StepCounts, counted_steps
 from .step_run import label_count, run_step
 from .step_state import keep_step_state
 from .watch import watched
@@ -100,6 +101,7 @@ class Trainer:
 
     Set-up runs one way: config -> process group -> run directory -> (offload resolved) model ->
     optimizer -> checkpoint (resumed or not) -> the data of the stage the run continues in."""
+    step_counts = StepCounts()  # the training phase's count within a step, while the loop runs (step_progress.py)
 
     def __init__(self, cfg: Config, log=print, read_ahead: bool = True):
         # checkpoint.on_signal is caught during set-up (a signal there stops the run at the loop's first boundary,
@@ -139,8 +141,7 @@ class Trainer:
         """The model, what a step does beside the loss (hooks, fault injection, the guard) and the optimizer."""
         cfg, rt = self.cfg, self.rt
         self.model = build_training_model(cfg, self.device, rt, self.log)
-        # what a step does beside the loss, at fixed points (hooks.py): MoE router bookkeeping, in a run
-        # that trains routers; none in a dense run
+        # what a step does beside the loss, at fixed points (hooks.py): MoE routers' bookkeeping; none in a dense run
         self.hooks = StepHooks(moe_step_hooks(cfg, self.model, rt, self.log))
         # wraps each step's forward and backward: tests put a host-sync detector here (tests/host_sync.py)
         self.device_section = contextlib.nullcontext
@@ -265,7 +266,7 @@ class Trainer:
             # a slow interval, an evaluation are each minutes at long lengths on a CPU)
             with watched(cfg, self.rt, self.ckpt is not None, self.started, self.clock, self.early_signals) as stop, \
                     phase("training", total=cfg.train.steps - self.start_step, unit="steps", done_line=False,
-                          bar=progress) as loop.beat:
+                          bar=progress) as beat, counted_steps(self, beat):
                 try:
                     step = self._run_steps(loop, stop)
                     if self.ckpt is not None:
@@ -304,12 +305,12 @@ class Trainer:
                     read_at, step = step, roll_back_trainer(self, bad, loop.result)
                     self._log_uncovered(loop, int(self.ckpt.resumed_from[1]["step"]))  # (the kept steps)
                     loop.mean_from = len(loop.result.losses)
-                    loop.beat.update(step - (read_at - 1))  # (the steps after the bad one run again: counted once)
+                    self.step_counts.end(step - (read_at - 1))  # (the steps after the bad one run again: counted once)
                     continue
                 if progress is not None:
                     progress.set_postfix(loss=f"{loss:.3f}", refresh=False)
             self.metrics.saved(self.saves.save(step, self.model, self.optimizer, self.sampler))
-            loop.beat.update(1)  # (and the bar)
+            self.step_counts.end(1)  # (made whole, as counted within the step: step_progress.py; and the bar)
             if log_now:
                 self._log_step(step, loss, grad_norm, lr, loop)
             if self.eval_samples is not None and (step % t.eval_interval == 0 or step == t.steps):
@@ -425,7 +426,6 @@ class _Loop:
     start: float = field(default_factory=time.perf_counter)
     eval_s: float = 0.0  # time spent evaluating, left out of the throughput
     unread: list = field(default_factory=list)  # steps whose figures are still on the device
-    beat: object = None  # the training phase (progress.phase): heartbeat lines count its steps
     mean_from: int = 0  # result.losses' index where the current log interval's losses begin
 
 
