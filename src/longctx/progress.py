@@ -16,7 +16,8 @@ outer ones, how long each has run and, where the caller counts, done/total and t
 
 A count moves inside long work, not only between its pieces (a file's MB read, a prefill's chunks, a long
 sequence's layers, a training step's blocks: train/step_progress.py), or the time left would climb while one
-runs; a count kept elsewhere (worker processes' shared memory) is read whenever the phase is said (`Phase.follow`).
+runs; a count kept elsewhere (worker processes' shared memory, a phase run inside this one: `Phase.watch_inner`) is
+read whenever the phase is said (`Phase.follow`).
 
 A phase that ran that long ends with a line of its time (unless its caller says its own); work that
 finishes sooner prints nothing, so short runs read as before. Only rank 0 (env RANK) speaks. The
@@ -91,6 +92,7 @@ class Phase:
         self.started = time.monotonic()
         self.source = None  # (follow: a count kept elsewhere)
         self.work = None    # (weigh: the part of the work a count stands for)
+        self.inner = None   # (watch_inner: told of each phase run right inside this one)
 
     def expect(self, total: float | None, unit: str | None = None) -> None:
         """Set (or change) the count the work goes to, and its unit."""
@@ -108,6 +110,19 @@ class Phase:
         items cost unequal time (a prefill's later chunks attend to more keys): a count's own share would
         promise a time left that each line then pushes back."""
         self.work = work
+
+    def watch_inner(self, inner) -> None:
+        """Call `inner(phase)` with each phase run right inside this one from now on (None: no more), as it
+        begins: a count that follows a piece of its work counted there (eval's sequences, their prefill's prompt
+        tokens). Called under the heartbeat's lock: it must only note the phase."""
+        self.inner = inner
+
+    def part(self) -> float:
+        """The part (0..1) of the work done, by the count (weighed where `weigh` says); 0 without a total."""
+        if not self.total:
+            return 0.0
+        done = min(self.done, self.total)
+        return self.work(done) if self.work is not None else done / self.total
 
     def update(self, n: float = 1) -> None:
         """`n` more of the total done (called from the working thread; a heartbeat reads it), on
@@ -127,7 +142,7 @@ class Phase:
             done = min(self.done, self.total)
             counts = f"{_count(done, self.total)}/{_count(self.total, self.total)}"
             text += f": {counts}{unit} ({100 * done / self.total:.0f}%)"
-            part = self.work(done) if self.work is not None else done / self.total
+            part = self.part()
             if 0 < done < self.total and part > 0:
                 text += f", about {duration(elapsed * (1 - part) / part)} left"
         elif self.done:
@@ -192,6 +207,8 @@ class _Heartbeat:
     def enter(self, phase: Phase, interval: float) -> None:
         with self.lock:
             self.phases.append(phase)
+            if len(self.phases) > 1 and self.phases[-2].inner is not None:
+                self.phases[-2].inner(phase)
             if self.stop is None:  # the first phase: the quiet begins now
                 self.interval, self.last = interval, phase.started
                 self.stop = threading.Event()

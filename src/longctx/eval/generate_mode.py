@@ -31,6 +31,7 @@ from ..config.checkpoint_paths import step_read
 from ..config.tokenizer import model_text_prefix
 from ..progress import say
 from .defaults import EXTRA_NEW_TOKENS
+from .generate_count import SequenceCount
 from .results import _headline, _length_phase, _note_routing, _result_head, announce_task
 
 if TYPE_CHECKING:
@@ -198,11 +199,13 @@ def _generate_task(request: EvalRequest, args, loaded: GeneratingModel, say_rout
                 texts = []
                 what = _length_phase(request, which)
                 with phase(what, len(seqs), "sequences", done_line=False, bar=bar) as progress:
+                    # (counted inside each batch too: its prefill's share, then its new tokens; generate_count.py)
+                    count = SequenceCount(progress, getattr(loaded.model, "cfg", None))
                     for start in range(0, len(seqs), request.batch):
                         group = seqs[start:start + request.batch]
                         texts += _generate_answers(loaded.model, tokenizer, group, request.sampling, args.seed,
-                                                   prefix, eos_ids=eos, device=loaded.device, backend=loaded.backend)
-                        progress.update(len(group))
+                                                   prefix, count=count, eos_ids=eos, device=loaded.device,
+                                                   backend=loaded.backend)
                 out["results"].extend(_summarise_generated(request, length, seqs, texts, time.perf_counter() - t0))
                 del seqs
                 if bar is None:
@@ -245,17 +248,24 @@ def _eval_backend(request: EvalRequest, layout_backend):
 
 
 def _generate_answers(model, tokenizer, group: list[Sequence], sampling, seed: int,
-                      prefix: list[int] | tuple = (), **engine) -> list[str]:
+                      prefix: list[int] | tuple = (), count: SequenceCount | None = None, **engine) -> list[str]:
     """One batch of prompts (each sequence up to its answer, after `prefix`: model_text_prefix) continued by
     the answer's length + EXTRA_NEW_TOKENS tokens, greedily unless `sampling` says otherwise, each
     sequence's draws seeded by `sequence_seed`; the texts the answers are read from (`answer_text`).
-    `engine`: generate()'s eos_ids, device, backend."""
+    `count`: the length's count, moved as the batch runs and whole at its end. `engine`: generate()'s
+    eos_ids, device, backend."""
     from ..generate.engine import GREEDY, generate
 
     cuts = [answer_start(q) for q in group]
-    results = generate(model, [list(prefix) + q.tokens[:c].tolist() for q, c in zip(group, cuts)],
-                       max_new_tokens=[q.length - c + EXTRA_NEW_TOKENS for q, c in zip(group, cuts)],
-                       sampling=sampling or GREEDY, seeds=[sequence_seed(seed, q) for q in group], **engine)
+    prompts = [list(prefix) + q.tokens[:c].tolist() for q, c in zip(group, cuts)]
+    limits = [q.length - c + EXTRA_NEW_TOKENS for q, c in zip(group, cuts)]
+    if count is not None:
+        count.begin([len(p) for p in prompts], limits)
+        engine["on_token"] = count.on_token
+    results = generate(model, prompts, max_new_tokens=limits, sampling=sampling or GREEDY,
+                       seeds=[sequence_seed(seed, q) for q in group], **engine)
+    if count is not None:
+        count.end(results)
     vanishing: dict[int, bool] = {}
     return [answer_text(tokenizer, r.tokens, vanishing) for r in results]
 

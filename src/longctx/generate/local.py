@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 
-from ..models.flops import layer_matmul_params
 from ..models.kv_cache import KVCache, attend
-from ..progress import LayerCounts, Phase, phase
+from ..progress import LayerCounts
 from .cache_pool import POOL
+from .prefill_progress import prefill_phase
 
 
 def prefill(model, cache: KVCache, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -41,26 +41,6 @@ def prefill(model, cache: KVCache, tokens: torch.Tensor, chunk: int) -> torch.Te
         finally:
             counts.close()
     return model.logits(hidden[:, -1]).float()
-
-
-@contextmanager
-def prefill_phase(rows: int, length: int, chunk: int, cfg=None):
-    """The phase of a chunked prefill of `rows` x `length` tokens (a quiet one for a single chunk). With the
-    model's `cfg`, its time left is timed by FLOPs (models/flops.py): a token at position p costs the layers'
-    matmuls plus attention over p keys, so the later chunks cost more, and a count of tokens alone promised
-    a time left that each line pushed back (measured: 32s left at 38% of a 32K prompt, 34s at 64%)."""
-    if length <= chunk:
-        yield Phase("")
-        return
-    what = f"prefill of {rows} prompt{'s' if rows != 1 else ''} of {length:,} tokens, in chunks of {chunk:,}"
-    with phase(what, total=rows * length, unit="prompt tokens", done_line=False) as progress:
-        if cfg is not None:
-            per_token = 2 * sum(layer_matmul_params(cfg, active=True))
-            per_key = 4 * cfg.layers * cfg.heads * cfg.resolved_head_dim  # (QK^T and PV: 2 FLOPs each per key)
-            # (positions from 0: a cache already holding tokens, a draft's appended prompt, is rare and short)
-            work = lambda t: per_token * t + per_key * t * t / 2  # noqa: E731
-            progress.weigh(lambda done: work(done / rows) / work(length))
-        yield progress
 
 
 def prefill_flat(model, cache: KVCache, prompts: Sequence[Sequence[int]]) -> torch.Tensor:

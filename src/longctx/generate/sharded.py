@@ -12,7 +12,8 @@ Prefill (`ShardedGeneration.prefill`): the prompt, padded at its end to the layo
 the head all-to-all each rank attends with the keys and values of its head slice at its context
 rank's positions: exactly its cache shard, kept as it is (`on_kv`), less the padding, which lies
 after every real token, so causal attention never lets a real token see it, and which is never
-stored. The last real token's logits come from the rank that holds it (one all-reduce).
+stored. The last real token's logits come from the rank that holds it (one all-reduce). A prompt longer
+than a prefill chunk is a progress phase that counts its tokens layer by layer (rank 0 says it).
 
 Decode (`ShardedKVCache`, the model's `cache=` seam, models/kv_cache.py): every rank runs the new
 token's non-attention parts itself (one token: cheap, and no communication); per layer it takes
@@ -42,6 +43,7 @@ from ..ops.attention import merge_partials
 from ..parallel.context.attention import distributed_attention
 from ..parallel.context.sequence import shard_indices
 from ..parallel.context.ulysses import kv_replication
+from .prefill_progress import sharded_prefill_phase
 
 READ_ROWS = 1024  # queries per masked_attention call of read_attention
 
@@ -338,7 +340,8 @@ class ShardedGeneration:
     def prefill(self, model, cache: ShardedKVCache, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
         """Prompts [rows, S] of one length into empty cache rows; the logits [rows, vocab] (fp32) of
         their last token, on every rank. The whole prompt is one call (`chunk` is the one-device
-        backend's): each rank's share is S / (head x ctx) tokens, and the ring never builds [S, S]."""
+        backend's: here only a prompt longer than it is a progress phase, its tokens counted layer by layer):
+        each rank's share is S / (head x ctx) tokens, and the ring never builds [S, S]."""
         if cache.lengths.max() != 0:
             raise ValueError("a sharded prefill fills empty rows (a prompt is prefilled whole)")
         rows, length = tokens.shape
@@ -362,8 +365,11 @@ class ShardedGeneration:
         cores = [block.attention.core for block in model.layers]
         for i, block in enumerate(model.layers):
             block.attention.core = _prefill_core(self.mesh, i, keep)
-        try:
-            hidden = model.hidden_states(padded[:, mine], positions=mine[None].expand(rows, -1))
+        try:  # (a long prompt's one call counted layer by layer, rank 0 saying it: generate/prefill_progress.py)
+            with sharded_prefill_phase(model, rows, length, chunk, h, c) as counts:
+                counts.begin(rows * length)
+                hidden = model.hidden_states(padded[:, mine], positions=mine[None].expand(rows, -1))
+                counts.end()
         finally:
             for block, core in zip(model.layers, cores):
                 block.attention.core = core

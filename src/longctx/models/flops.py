@@ -60,11 +60,30 @@ def forward_matmul_flops_per_token(cfg: ModelConfig) -> float:
     return 2 * sum(layer_matmul_params(cfg, active=True)) + 2 * cfg.dim * cfg.vocab_size
 
 
+def attention_score_flops_per_token(cfg: ModelConfig, seq_len: float, causal: bool = True) -> float:
+    """One layer's attention-score FLOPs (QK^T and PV, 2 each per key) per token of a sequence of seq_len,
+    averaged over its positions: seq_len keys each, half of them under a causal mask."""
+    return 4 * seq_len * cfg.heads * cfg.resolved_head_dim * (0.5 if causal else 1.0)
+
+
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
     """Model FLOPs of one forward pass, per token of a sequence of length seq_len."""
-    d_attn = cfg.heads * cfg.resolved_head_dim
-    attn_scores = 4 * seq_len * d_attn * (0.5 if causal else 1.0)
-    return forward_matmul_flops_per_token(cfg) + cfg.layers * attn_scores
+    return forward_matmul_flops_per_token(cfg) + cfg.layers * attention_score_flops_per_token(cfg, seq_len, causal)
+
+
+def layer_prefill_flops(cfg: ModelConfig, tokens: float) -> list[float]:
+    """Model FLOPs of each block in a causal forward over a sequence's first `tokens` positions (a prefill from
+    an empty cache; the LM head, which a prefill runs on the last position only, left out): its matmuls for every
+    token and its attention scores over the keys up to each. What generate's prefill progress is timed by
+    (generate/prefill_progress.py): a position's cost grows with the keys before it."""
+    scores = attention_score_flops_per_token(cfg, tokens)
+    return [tokens * (2 * params + scores) for params in layer_matmul_params(cfg, active=True)]
+
+
+def prefill_flops(cfg: ModelConfig, tokens: float) -> float:
+    """Model FLOPs of a causal forward over a sequence's first `tokens` positions through every block
+    (layer_prefill_flops, summed): forward_flops_per_token's per-token figure times `tokens`, less the LM head."""
+    return sum(layer_prefill_flops(cfg, tokens))
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
@@ -84,7 +103,7 @@ def draft_train_flops_per_token(cfg: ModelConfig, seq_len: int, *, kind: str, la
       gradient to its input only (2x), and under kd (`kd`) the teacher's logits on the same rows (1x)."""
     d, hd = cfg.dim, cfg.resolved_head_dim
     d_attn = cfg.heads * hd
-    scores = 4 * seq_len * d_attn * 0.5
+    scores = attention_score_flops_per_token(cfg, seq_len)
     target = forward_flops_per_token(cfg, seq_len) - 2 * d * cfg.vocab_size
     if kind == "glide":
         draft = layers * (2 * (attention_matmul_params(cfg) + 2 * d * d_attn + dense_ffn_params(cfg)) + 2 * scores)
