@@ -16,31 +16,14 @@ BASE = ["--model.layers=2", "--train.seq_len=64", "--train.global_batch=4", "--t
 
 
 def _rank(run_dir: str):
-    import longctx.progress as progress
     from longctx.config import load_config
     from longctx.train.hooks import StepHook
     from longctx.train.trainer import Trainer
+    from phase_spy import record_phases
 
     os.environ["LONGCTX_PROGRESS_S"] = "1000"  # (lines on, none due in the test)
     os.environ["LONGCTX_FAULT"] = ""
-    made: list = []
-
-    class Recorded(progress.Phase):
-        def __init__(self, *args, **kwargs):
-            self.values: list[float] = []
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-        @property
-        def done(self):
-            return self._done
-
-        @done.setter
-        def done(self, value):
-            self._done = value
-            self.values.append(value)
-
-    progress.Phase = Recorded
+    made = record_phases()
     trainer = Trainer(load_config(None, [*BASE, f"--train.run_dir={run_dir}"]), log=lambda *a, **k: None)
     hooked: list[int] = []
 

@@ -20,6 +20,7 @@ import torch
 from longctx import progress
 from longctx.config import load_config
 from longctx.models import flops
+from phase_spy import running_phases
 
 DENSE, MOE = ["--model.preset=debug"], ["--model.preset=debug-moe", "--model.moe.dense_layers=0"]
 
@@ -30,9 +31,7 @@ def _speaking(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
 
 
-def _running() -> list[progress.Phase]:
-    with progress._HEARTBEAT.lock:
-        return list(progress._HEARTBEAT.phases)
+_running = running_phases
 
 
 def _count(line: str) -> str:

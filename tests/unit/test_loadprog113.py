@@ -22,6 +22,7 @@ from longctx.checkpoint.weights_only import load_model_weights, load_weights_int
 from longctx.config import load_config, to_dict
 from longctx.job.spawn import run_spawned
 from longctx.models.llama import build_model
+from phase_spy import RecordedPhase, record_phases
 
 TINY = ["--model.dim=32", "--model.layers=2", "--model.heads=4", "--model.kv_heads=2", "--model.vocab_size=64",
         "--model.ffn_dim=48", "--train.seq_len=16", "--train.global_batch=2"]
@@ -29,36 +30,14 @@ LAYOUT = {"world": 1, "dp_replicate": 1, "dp_shard": 1, "head": 1, "ctx": 1, "wi
           "placement": "head-first", "expert": 1}
 
 
-class _Spy(progress.Phase):
-    """A Phase recording each value its count takes (`history`); every one made is kept in `made`."""
-
-    made: list = []
-
-    def __init__(self, *args, **kwargs):
-        self.history = []
-        super().__init__(*args, **kwargs)
-        _Spy.made.append(self)
-
-    @property
-    def done(self):
-        return self._done
-
-    @done.setter
-    def done(self, value):
-        self._done = value
-        self.history.append(value)
-
-
 @pytest.fixture
 def spy(monkeypatch):
     monkeypatch.setenv(progress.INTERVAL_ENV, "20")  # (lines on: rank 0 speaks; the work takes far less)
     monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setattr(progress, "Phase", _Spy)
-    _Spy.made = []
-    return _Spy.made
+    return record_phases(monkeypatch.setattr)
 
 
-def _phase(made, start: str) -> _Spy:
+def _phase(made, start: str) -> RecordedPhase:
     found = [p for p in made if p.what.startswith(start)]
     assert len(found) == 1, [p.what for p in made]
     return found[0]
@@ -94,9 +73,9 @@ def _tensor_bytes(state: dict) -> int:
     return sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
 
 
-def _counted_up_to_the_total(p: _Spy) -> None:
+def _counted_up_to_the_total(p: RecordedPhase) -> None:
     assert p.total and p.unit == "MB", (p.what, p.total, p.unit)
-    counts = p.history
+    counts = p.values
     assert all(a <= b for a, b in zip(counts, counts[1:])), counts  # only up
     assert counts[-1] == p.total, (counts[-1], p.total)  # ends at the total
     assert len(set(counts)) > 3, counts  # moves inside the read, tensor by tensor
@@ -200,22 +179,22 @@ def test_init_froms_checksums_count_the_mb_of_the_whole_checkpoint_on_one_rank(t
     checksums = _phase(spy, "checkpoint: verifying the checksums")
     whole = sum(p.stat().st_size for p in step.iterdir() if p.name != "manifest.json") / 1e6
     assert checksums.total == pytest.approx(whole, rel=1e-12) and checksums.unit == "MB", (checksums.total, whole)
-    assert checksums.history[-1] == pytest.approx(whole, rel=1e-9), checksums.history
-    assert all(a <= b for a, b in zip(checksums.history, checksums.history[1:])), checksums.history
+    assert checksums.values[-1] == pytest.approx(whole, rel=1e-9), checksums.values
+    assert all(a <= b for a, b in zip(checksums.values, checksums.values[1:])), checksums.values
     assert "share" not in checksums.what, checksums.what  # (one rank: the whole)
 
 
 def _checksums_on_rank(step: str, overrides: list[str]):
     import longctx.progress as progress_module
 
-    progress_module.Phase, _Spy.made = _Spy, []
+    made = record_phases()
     progress_module.speaks = lambda: True  # (rank 1's count too, to add up)
     model = build_model(load_config(overrides=overrides).model, seed=9)
     import torch.distributed as dist
 
     load_weights_into(Path(step), model, SimpleNamespace(rank=dist.get_rank(), world=2), log=_quiet)
-    p = _phase(_Spy.made, "checkpoint: verifying the checksums")
-    return p.what, p.total, p.history
+    p = _phase(made, "checkpoint: verifying the checksums")
+    return p.what, p.total, p.values
 
 
 def test_init_froms_checksums_on_two_ranks_count_each_ranks_share_and_say_so(tmp_path):
@@ -270,4 +249,4 @@ def test_a_resumes_checksums_count_their_mb_in_a_phase(tmp_path, spy):
     checks = _phase(spy, "checkpoint: verifying the checksums of")
     files = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and f.name != "manifest.json")
     assert checks.unit == "MB" and checks.total == pytest.approx(files / 1e6, rel=0.05), (checks.total, files)
-    assert checks.history == sorted(checks.history) and checks.history[-1] == pytest.approx(checks.total)
+    assert checks.values == sorted(checks.values) and checks.values[-1] == pytest.approx(checks.total)

@@ -34,6 +34,7 @@ from longctx.eval.runner import score  # noqa: E402
 from longctx.eval.tasks import Sequence  # noqa: E402
 from longctx.generate.local import prefill  # noqa: E402
 from longctx.models.llama import build_model  # noqa: E402
+from phase_spy import running_phases
 
 
 @pytest.fixture(autouse=True)
@@ -42,9 +43,7 @@ def _speaking(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
 
 
-def _running() -> list[progress.Phase]:
-    with progress._HEARTBEAT.lock:
-        return list(progress._HEARTBEAT.phases)
+_running = running_phases
 
 
 def _jsonl(path: Path, docs: int, seed: int) -> int:

@@ -16,41 +16,19 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import longctx.progress as progress_module
 from longctx.config import load_config
-from longctx.progress import Phase, phase
+from longctx.progress import phase
 from longctx.train.trainer import Trainer
+from phase_spy import RecordedPhase, record_phases
 
 BASE = ["--model.layers=2", "--train.seq_len=64", "--train.global_batch=2", "--data.max_docs=20",
         "--metrics.plots=false", "--metrics.progress=false", "--train.device=cpu", "--checkpoint.final=false",
         "--train.eval_interval=0", "--metrics.log_interval=1"]
 
 
-class _Recorded(Phase):
-    """A phase keeping every value its count is given."""
-
-    def __init__(self, *args, **kwargs):
-        self.values: list[float] = []
-        super().__init__(*args, **kwargs)
-
-    @property
-    def done(self):
-        return self._done
-
-    @done.setter
-    def done(self, value):
-        self._done = value
-        self.values.append(value)
-
-
 @pytest.fixture
 def recorded(monkeypatch):
     """The phases made while the test runs, each recording its count (rank 0, lines on but not due in a test)."""
-    made: list[_Recorded] = []
-
-    def make(*args, **kwargs):
-        made.append(_Recorded(*args, **kwargs))
-        return made[-1]
-
-    monkeypatch.setattr(progress_module, "Phase", make)
+    made = record_phases(monkeypatch.setattr)
     monkeypatch.setenv("LONGCTX_PROGRESS_S", "1000")
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("LONGCTX_FAULT", "")
@@ -133,7 +111,7 @@ def test_a_recomputed_forward_is_not_counted_again():
     def counts(recompute: bool) -> list[float]:
         torch.manual_seed(0)
         blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3))
-        p = _Recorded("training", total=1, unit="steps")
+        p = RecordedPhase("training", total=1, unit="steps")
         counter = StepCounts(p, blocks)
         x = torch.randn(2, 4, requires_grad=True)
         counter.micro_batch(0, 1)
