@@ -3,8 +3,10 @@
 
 from longctx import progress
 
+_Phase = progress.Phase  # (the class itself: record_phases puts RecordedPhase in its place in the module)
 
-class RecordedPhase(progress.Phase):
+
+class RecordedPhase(_Phase):
     """A Phase recording each value its count takes (`values`), every one made appended to `made` (the list
     `record_phases` returns)."""
 
@@ -17,11 +19,11 @@ class RecordedPhase(progress.Phase):
 
     @property
     def done(self):
-        return self._done
+        return _Phase.done.fget(self)  # (a followed count's too: Phase.done)
 
     @done.setter
     def done(self, value):
-        self._done = value
+        _Phase.done.fset(self, value)
         self.values.append(value)
 
 

@@ -88,11 +88,24 @@ class Phase:
 
     def __init__(self, what: str, total: float | None = None, unit: str = "", bar=None):
         self.what, self.total, self.unit, self.bar = what, total, unit, bar
+        self._followed = 0  # (follow: the most its source said; written by the heartbeat's thread alone)
         self.done = 0
         self.started = time.monotonic()
         self.source = None  # (follow: a count kept elsewhere)
         self.work = None    # (weigh: the part of the work a count stands for)
         self.inner = None   # (watch_inner: told of each phase run right inside this one)
+
+    @property
+    def done(self) -> float:
+        """The count: the working thread's (`update`, or assigned), or what `follow`'s source last said if more.
+        Kept apart, each written by one thread: a line that read the count and then wrote it back raised by its
+        source put back a count the working thread had set in between (eval's batch made whole, its sequences then
+        short at the length's end)."""
+        return self._done if self.source is None else max(self._done, self._followed)
+
+    @done.setter
+    def done(self, value: float) -> None:
+        self._done = value
 
     def expect(self, total: float | None, unit: str | None = None) -> None:
         """Set (or change) the count the work goes to, and its unit."""
@@ -135,7 +148,7 @@ class Phase:
         """'embed [1m20s]: 800/1,716 documents (47%), about 1m30s left'."""
         elapsed = now - self.started
         if self.source is not None:
-            self.done = max(self.done, self.source())
+            self._followed = max(self._followed, self.source())
         text = f"{self.what} [{duration(elapsed)}]"
         unit = f" {self.unit}" if self.unit else ""
         if self.total:
