@@ -2,6 +2,11 @@
 from the repository root). Every probe is a fresh `longctx train` process with its own time limit,
 all within one budget (BUDGET_S, default 450 s), in order of what matters most:
 
+0. cuda_process (~10 s): the host memory a CUDA rank holds besides its run's bytes, the figure the host preflight
+   and the planner count per GPU rank (costs/cuda_runtime.py CUDA_RUNTIME_BYTES, "cuda_runtime"): a fresh process
+   imports torch (torch_import_gib, its RSS then), makes the CUDA context, runs one cuBLAS matmul and one SDPA
+   call; cuda_process_gib is its peak RSS, cuda_runtime_gib the difference, beside the constant (constant_gib).
+   A training rank loads more (NCCL's communicators, the optimizer's kernels): the probe is a floor for it;
 1. smoke: the debug model 30 steps under each memory.model_states tier; the losses against device's
    (the host paths' first run on a GPU);
 2. blocks: full-width llama3-8b blocks (2 and 4 layers) at SEQ_8B tokens (by default the issue's length for
@@ -82,6 +87,39 @@ def train(name: str, args: list[str], limit: float) -> dict:
     if rc != 0:
         out["tail"] = Path(f"{run}.log").read_text()[-1500:]
     print(json.dumps({k: v for k, v in out.items() if k not in ("losses", "tail")}), flush=True)
+    return out
+
+
+# (resource.getrusage's ru_maxrss: KiB on Linux)
+CUDA_PROCESS = """
+import json, resource, sys
+import torch
+import torch.nn.functional as F
+
+def peak_gib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+imported = peak_gib()
+a = torch.randn(1024, 1024, device=sys.argv[1], dtype=torch.bfloat16)  # (the CUDA context)
+(a @ a).sum().item()  # cuBLAS
+q = torch.randn(1, 8, 512, 64, device=sys.argv[1], dtype=torch.bfloat16)
+F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().item()
+print(json.dumps({"torch_import_gib": round(imported, 3), "cuda_process_gib": round(peak_gib(), 3)}))
+"""
+
+
+def cuda_process() -> dict:
+    """Probe 0 (the module's docstring): CUDA's own host memory in a process of its own, against the constant."""
+    from longctx.costs.cuda_runtime import CUDA_RUNTIME_BYTES
+
+    done = subprocess.run([sys.executable, "-c", CUDA_PROCESS, DEVICE], capture_output=True, text=True,
+                          timeout=max(1.0, min(120.0, left())))
+    if done.returncode:
+        return {"device": DEVICE, "rc": done.returncode, "tail": done.stderr[-1500:]}
+    got = json.loads(done.stdout.splitlines()[-1])
+    got["cuda_runtime_gib"] = round(got["cuda_process_gib"] - got["torch_import_gib"], 3)
+    out = {"device": DEVICE, **got, "constant_gib": round(CUDA_RUNTIME_BYTES / 2**30, 3)}
+    print(json.dumps(out), flush=True)
     return out
 
 
@@ -176,11 +214,13 @@ def main() -> None:
     out = {"card": card(), "date": datetime.date.today().isoformat(), "budget_s": BUDGET_S}
     print(json.dumps(out), flush=True)
     # PROBES: which to run (a rerun of some within a device's last minutes), in this order
-    wanted = ENV.get("PROBES", "smoke,blocks,overlap,longest,blocks_host").split(",")
+    wanted = ENV.get("PROBES", "cuda_process,smoke,blocks,overlap,longest,blocks_host").split(",")
     # the issue's length for the 8B blocks: 512K on an H100, 1M on an H200 (over 120 GiB of device memory)
     big = out["card"].get("memory_gib", 0) > 120
     seq_8b, preset_8b = ENV.get("SEQ_8B", "1048576" if big else "524288"), ENV.get("PRESET_8B", "llama3-8b")
     preset_1b = ENV.get("PRESET_1B", "llama3-1b")
+    if "cuda_process" in wanted:
+        probe(out, "cuda_process", cuda_process)
     if "smoke" in wanted:
         probe(out, "smoke", smoke, ENV.get("SMOKE_STEPS", "30"))
     if "blocks" in wanted:

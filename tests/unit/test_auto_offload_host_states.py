@@ -37,7 +37,8 @@ def test_preflight_counts_auto_within_what_the_states_leave(monkeypatch):
     assert states <= besides < states * 1.05
     need = rank_host_bytes(cfg, dims, "cuda", 1, budget)
     assert need["activations"] == pytest.approx(0.8 * budget - besides)
-    assert need["total"] <= 0.8 * budget * (1 + 1e-12)
+    # (beside them the rank's CUDA context and libraries, which auto's share inside the rank does not hold)
+    assert need["total"] - need["cuda_runtime"] <= 0.8 * budget * (1 + 1e-12)
     monkeypatch.setenv(BUDGET_ENV, str(budget))
     check_host_memory(cfg, dims, 1, "cuda")  # fits: auto picks a fraction the states leave room for
 

@@ -9,7 +9,8 @@ compute time, exposed communication, step time, tokens/s and MFU.
 - activation memory: `memory.accounting.estimate_activations` (the formulas `longctx bench memory`
   is compared with to the byte), plus `memory.transients.transient_bytes`, the working set of one
   block's backward and of the LM head on top of it; host memory per node for offloaded activations
-  and attention state (`attention_offload_host_and_traffic`);
+  and attention state (`attention_offload_host_and_traffic`), and on a GPU each rank's CUDA context and
+  libraries (costs/cuda_runtime.py, as train's preflight counts them);
 - communication bytes (planner/comm_bytes.py, from parallel/context/volumes.py, the closed forms comm.py's
   counters are tested to equal): attention's `attention_bytes` times the layers, the micro-batches and, under full
   recomputation, the forward once more; document ids cost no bytes (the training loop plans each
@@ -36,6 +37,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
+from ..costs.cuda_runtime import CUDA_RUNTIME, with_cuda_runtime
 from ..costs.hardware import Hardware
 from ..costs.hier_bytes import exposed_hier_seconds
 from ..costs.host_bytes import (
@@ -161,11 +163,12 @@ def memory_problems(memory: dict[str, float], host: dict[str, float], ranks_per_
                         f"one_memory_bytes, what the preflight of `longctx train` checks)")
     per_node = host["total"] * ranks_per_node
     # hardware that names no host memory (0: a CPU calibration, test hardware) still refuses offload
-    # and host-tier states, but not the data loader's batches every run holds
-    checked = per_node if hw.host_memory_gib else (host["total"] - host.get("data_loader", 0.0)) * ranks_per_node
+    # and host-tier states, but not the data loader's batches or the CUDA runtime every run holds
+    every_run = host.get("data_loader", 0.0) + host.get(CUDA_RUNTIME, 0.0)
+    checked = per_node if hw.host_memory_gib else (host["total"] - every_run) * ranks_per_node
     if checked > hw.usable_host_bytes and not hw.host_memory_gib:  # (was "needs 0.0 GiB ... (), 0.0 usable of 0")
         parts = ", ".join(f"{k.replace('_', ' ')} {v * ranks_per_node / 2**20:,.1f} MiB" for k, v in host.items()
-                          if k not in ("total", "data_loader") and v > 0)
+                          if k not in ("total", "data_loader", CUDA_RUNTIME) and v > 0)
         problems.append(f"keeps {checked / 2**20:,.1f} MiB in host memory per node ({parts}), but hardware {hw.name} "
                         f"has no host memory (host_memory_gib = 0): plan without host memory (--model-states device "
                         f"--offload none), or give it (--hw host_memory_gib=GIB --hw usable_host_fraction=0.8)")
@@ -339,6 +342,8 @@ def footprint_of(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryP
                              micro_batch=micro_batch, doc_mask=doc_mask, settings=settings)
     memory = device_bytes_with(parts[0], costs.acts.total_device, costs.transient)
     host = host_bytes_with(parts[1], costs.acts_host, costs.attn_host)
+    if not hw.is_cpu:  # each GPU rank's CUDA context and libraries, as the preflight counts them
+        host = with_cuda_runtime(host)
     # a CPU run's peak as the preflight counts it: its foreach AdamW's step, and where the hardware has no host
     # memory of its own (a calibration: one memory), the host bytes in the same memory as the device's
     one_memory = one_memory_bytes(m, shape, model_states, memory, {"total": 0.0} if hw.host_memory_gib else host,

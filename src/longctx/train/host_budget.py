@@ -10,7 +10,9 @@ the saved activations never meet; the foreach AdamW's step under `device`). The 
 train.stages sets the figure. `memory.offload_fraction = auto` is decided inside the ranks
 (memory/auto.py), bounded by 0.8 x this rank's share of host memory less the rank's other host bytes
 (the model-state tier's states, staging, the loader): it is counted here at its largest, fraction 1.0,
-capped at that bound.
+capped at that bound. On a CUDA run each rank's CUDA context and the libraries it loads (the CUDA runtime,
+cuBLAS, cuDNN, NCCL) take host memory too: costs/cuda_runtime.py's one figure, part "cuda_runtime", which the
+planner's host/node counts the same way.
 
 The budget is MemAvailable, or what this process's memory cgroup leaves where that is less (a container's
 limit: memory/auto.py `host_memory_free`), or LONGCTX_HOST_MEMORY_BYTES
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 
 from ..config import Config
+from ..costs.cuda_runtime import CUDA_RUNTIME, CUDA_RUNTIME_BYTES, with_cuda_runtime
 from ..costs.host_bytes import (
     one_memory_bytes,
     pinned_fp32_shard_bytes,
@@ -64,7 +67,11 @@ ADVICE = {
     "data_loader": "a shorter train.seq_len or a smaller train.global_batch",
     CPU_DEVICE: "a smaller model, a shorter train.seq_len, or memory.recompute=full with memory.block_chunk",
     "process": "fewer ranks (--nproc): each is an interpreter with torch before any of the run's bytes",
+    CUDA_RUNTIME: f"fewer ranks per node (--nproc), or a node with more free host memory: each CUDA rank holds its "
+                  f"CUDA context and libraries (the CUDA runtime, cuBLAS, cuDNN, NCCL; "
+                  f"~{CUDA_RUNTIME_BYTES / GIB:.2f} GiB: costs/cuda_runtime.py) besides the run's bytes",
 }
+PER_PROCESS = ("process", CUDA_RUNTIME)  # parts whose advice is already fewer ranks
 
 
 def host_budget() -> tuple[float, str]:
@@ -162,10 +169,13 @@ def host_bytes_besides_offload(cfg: Config, dims, device_type: str, seq_len: int
     return host["total"] - host["activations"]
 
 
-def rank_host_bytes(cfg: Config, dims, device_type: str, ranks_on_node: int, budget: float) -> dict[str, float]:
+def rank_host_bytes(cfg: Config, dims, device_type: str, ranks_on_node: int, budget: float,
+                    cuda_context_held: bool = False) -> dict[str, float]:
     """One rank's host bytes by part and their "total", for the stage that needs the most. Under
     offload_fraction auto the activations are counted at fraction 1.0, capped at what auto may take: 0.8 x
-    this rank's share of the budget, less the rank's other host bytes (memory/auto.py)."""
+    this rank's share of the budget, less the rank's other host bytes (memory/auto.py). On a CUDA run, the
+    rank's CUDA context and libraries ("cuda_runtime": costs/cuda_runtime.py) too, unless `cuda_context_held`
+    (the rank is this process, CUDA started in it before the check: the free memory holds them already)."""
     auto = cfg.memory.offload_fraction == "auto"
     memory = dataclasses.replace(cfg.memory, offload_fraction=1.0) if auto else cfg.memory
     worst: dict[str, float] = {"total": -1.0}
@@ -182,7 +192,7 @@ def rank_host_bytes(cfg: Config, dims, device_type: str, ranks_on_node: int, bud
         parts["total"] = sum(parts.values())
         if parts["total"] > worst["total"]:
             worst = parts
-    return worst
+    return with_cuda_runtime(worst) if device_type == "cuda" and not cuda_context_held else worst
 
 
 def check_host_memory(cfg: Config, dims, ranks_on_node: int, device_type: str, new_processes: bool = False) -> None:
@@ -190,9 +200,14 @@ def check_host_memory(cfg: Config, dims, ranks_on_node: int, device_type: str, n
     ranks are processes yet to start (`longctx train --nproc N`'s launcher), each of which takes an interpreter with
     torch and longctx imported before any of the run's bytes (~0.3 GiB; this launcher's own size stands for it),
     which the free memory does not yet hold; a rank that runs already (a torchrun rank, one in-process run) holds
-    its own. (CUDA's host memory, its context and libraries, is not counted.)"""
+    its own. On a CUDA run each rank's CUDA context and libraries ("cuda_runtime", ~1 GiB: costs/cuda_runtime.py)
+    are counted where the free memory does not hold them yet: ranks to start, and this process as the rank (the
+    launcher's --nproc 1, train/trainer.py train's in-process run) until it has made its context
+    (`cuda_context_made`; the launcher makes none: job/devices.py native_bf16). Where it has, the context is in
+    the free memory already (libraries it loads later, cuBLAS at the first matmul, are then not counted)."""
     budget, source = host_budget()
-    per_rank = rank_host_bytes(cfg, dims, device_type, ranks_on_node, budget)
+    held = not new_processes and cuda_context_made()
+    per_rank = rank_host_bytes(cfg, dims, device_type, ranks_on_node, budget, cuda_context_held=held)
     if new_processes:
         # (at most PROCESS_CAP: a launcher holding more than its imports, a notebook's or a test worker's, is no
         # rank's start)
@@ -206,7 +221,7 @@ def check_host_memory(cfg: Config, dims, ranks_on_node: int, device_type: str, n
     largest = max(parts, key=parts.get)
     ranks = f"{ranks_on_node} ranks x {_size(per_rank['total'])}" if ranks_on_node > 1 else "1 rank"
     fixes = [ADVICE[largest]] + (["fewer ranks on this node (--nproc)"] if ranks_on_node > 1 and
-                                 largest != "process" else [])
+                                 largest not in PER_PROCESS else [])
     auto = (" (memory.offload_fraction auto counted at 1.0, capped at 0.8 x each rank's share of the budget less "
             "its other host bytes)"
             if cfg.memory.offload_fraction == "auto" else "")
@@ -214,6 +229,16 @@ def check_host_memory(cfg: Config, dims, ranks_on_node: int, device_type: str, n
         f"this run needs {_size(need)} of host memory on this node ({ranks}; memory.model_states="
         f"{cfg.memory.model_states}: {listed}){auto}, but {source} is {_size(budget)}. It would be killed by the "
         f"OOM killer, so it is refused before any work. To fit, try: {'; or '.join(fixes)}.")
+
+
+def cuda_context_made() -> bool:
+    """Whether this process holds its CUDA context already. Asks, starts nothing: torch.cuda initialised (which
+    train.compile's Triton check does, asking the card's properties, with no context made) and the current
+    device's primary context made (a build without that query: initialised is taken as made)."""
+    if not torch.cuda.is_initialized():
+        return False
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    return has_context is None or bool(has_context(torch.cuda.current_device()))
 
 
 def _size(nbytes: float) -> str:
