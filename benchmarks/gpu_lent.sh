@@ -4,7 +4,7 @@
 # (prefix LONGCTX_COMMIT=<this checkout's `git rev-parse HEAD`>: the device's copy has no .git, and the JSON
 # records the commit that measured it from there)
 #   run(command="PART=2 TOTAL_S=<budget_left_s - 60> bash benchmarks/gpu_lent.sh", timeout_s=<that + 20>)
-# Part 1 runs benchmarks/gpu_frontier.sh (issue 49) with the probes that matter most (PROBES, default
+# Part 1 runs benchmarks/gpu_frontier.sh (issue 49) with the probes that matter most (PROBES, default cuda_process,
 # smoke,blocks: the `host` tier's first whole steps on a card and the 8B blocks' depth check) and
 # BUDGET_S=${FRONTIER_S:-340}, then benchmarks/gpu_speed.sh (issue 52; SPEED_STEPS default 1,6) with
 # BUDGET_S = what is left of ${TOTAL_S:-560} s counted from this script's start, so a slow frontier eats the speed steps' time
@@ -39,7 +39,7 @@ else
   # frontier leaves unused goes to the speed steps; the smoke runs `device`, the reference, and `host`, the tier
   # not yet through a step on a card: host_optimizer's losses followed device's there on 2026-12-04)
   FRONTIER_S=${FRONTIER_S:-340}
-  export PROBES=${PROBES:-smoke,blocks} SMOKE_TIERS=${SMOKE_TIERS:-device,host}
+  export PROBES=${PROBES:-cuda_process,smoke,blocks} SMOKE_TIERS=${SMOKE_TIERS:-device,host}
   echo "=== gpu_lent part 1: gpu_frontier.sh ($PROBES) with ${FRONTIER_S} s, then gpu_speed.sh with the rest of ${TOTAL_S} s"
   BUDGET_S=$FRONTIER_S bash benchmarks/gpu_frontier.sh
   LEFT=$((TOTAL_S - SECONDS)); [ "$LEFT" -lt 0 ] && LEFT=0
