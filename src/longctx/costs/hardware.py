@@ -297,6 +297,15 @@ def _bandwidth_worker(nbytes: int, repeats: int):
     return res
 
 
+def host_adam_rate(device_type: str) -> float:
+    """1e9 parameters/s of the node's host AdamW for a run on `device_type` (memory.model_states = host /
+    host_optimizer): on a CPU this machine's, by its cores (_measured_host_adam_rate); on a GPU node the field's
+    default (HOST_ADAM above: an estimate until benchmarks/cpu_adam.py runs there)."""
+    if device_type == "cpu":
+        return _measured_host_adam_rate(os.cpu_count() or 1)
+    return Hardware.host_adam_gparams_per_s
+
+
 def _measured_host_adam_rate(cores: int) -> float:
     """1e9 parameters/s of the fused CPU AdamW on `cores` cores: docs/results/cpu_adam_2026-11-28.json's
     0.65 ns per parameter on 2 cores, scaled by cores (not measured again: it takes a 1.6 GB run)."""

@@ -90,6 +90,12 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -
     return 3 * forward_flops_per_token(cfg, seq_len, causal)
 
 
+def draft_target_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """The frozen target's part of a draft-training step (draft_train_flops_per_token): its forward without its
+    LM head (hidden states, no backward)."""
+    return forward_flops_per_token(cfg, seq_len) - 2 * cfg.dim * cfg.vocab_size
+
+
 def draft_train_flops_per_token(cfg: ModelConfig, seq_len: int, *, kind: str, layers: int = 1, block: int = 4,
                                 vocab: int = 0, kd: bool = False) -> float:
     """Model FLOPs per token of one draft-training step (train/glide.py) against a frozen target of `cfg`:
@@ -104,7 +110,7 @@ def draft_train_flops_per_token(cfg: ModelConfig, seq_len: int, *, kind: str, la
     d, hd = cfg.dim, cfg.resolved_head_dim
     d_attn = cfg.heads * hd
     scores = attention_score_flops_per_token(cfg, seq_len)
-    target = forward_flops_per_token(cfg, seq_len) - 2 * d * cfg.vocab_size
+    target = draft_target_flops_per_token(cfg, seq_len)
     if kind == "glide":
         draft = layers * (2 * (attention_matmul_params(cfg) + 2 * d * d_attn + dense_ffn_params(cfg)) + 2 * scores)
     elif kind == "clover":

@@ -53,6 +53,7 @@ def run_step(trainer, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     # train.on_nonfinite: the update is applied only if the step's loss and gradient norm are
     # finite (and its loss no spike), decided on the device by the fused AdamW (guarded_step)
     guarded_step(trainer.optimizer, apply)
+    trainer.step_counts.updated()  # (the update's part of the step counted once done: step_progress.py)
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer.hooks.after_optimizer(step, apply)
     return loss, grad_norm, lr
