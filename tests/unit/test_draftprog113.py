@@ -124,7 +124,7 @@ def test_with_the_states_on_the_device_the_rest_is_as_it_was(tmp_path, recorded)
     second, before, after = _second_micro_batch_start(tmp_path)
     _never_back_and_whole(_training(recorded), 2)
     assert second == pytest.approx((1 - 0.02) / 2), second  # (a dense run's weights unchanged)
-    assert before[0] < 0.98 and after == [1, 2], (before, after)
+    assert before[0] <= 0.98 + 1e-9 and after == [1, 2], (before, after)  # (the update: its 0.02 once done)
 
 
 # -- (b) a host tier's update is a counted part of the step ----------------------------------------------------

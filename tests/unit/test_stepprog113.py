@@ -163,3 +163,15 @@ def test_a_compiled_run_compiles_the_same_graphs_with_the_counting_hooks(tmp_pat
         torch._dynamo.reset()
     assert hooked == quiet, (hooked, quiet)
     assert hooked[2] == [0, 0, 0], hooked
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_every_blocks_backward_is_counted_before_the_update(tmp_path, recorded, recompute):
+    """The first block's backward ends with its input's gradient, after every block output's: counted by no hook, a
+    plain step's count stood near 0.8 from the last output gradient to the update. Now it reaches the micro-batches'
+    whole, 1 - the update's part (0.02 with the states on the device), before the update makes it 1."""
+    from longctx.train.step_progress import REST
+
+    _train(tmp_path, "--train.steps=1", f"--memory.recompute={recompute}")
+    inside = _check_steps(_training(recorded), 1)
+    assert max(inside) == pytest.approx(1 - REST, abs=1e-9), inside

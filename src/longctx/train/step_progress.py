@@ -146,6 +146,7 @@ class StepCounts:
         self.frozen_part, self.trained = 0.0, 1.0  # a frozen block's forward, and the trained blocks' scale
         self.unit = self.cap = 0.0  # the micro-batch's share of the step, and where its count stops
         self.above = True  # the next output gradient is the last block's (the head's backward done)
+        self.first = layers[0] if layers else None  # (its input's gradient: the last block's backward done)
         self.handles = [layer.register_forward_hook(self._forward_done) for layer in layers]
         self.handles += [block.register_forward_hook(self._frozen_done) for block in self.frozen]
 
@@ -188,18 +189,26 @@ class StepCounts:
         done = self.phase.done
         self.phase.done = min(done + part * self.unit, max(self.cap, done))  # (up to the micro-batch's share)
 
-    def _forward_done(self, _module, _args, output) -> None:
+    def _forward_done(self, module, args, output) -> None:
         if not self.counting or torch._C._current_graph_task_id() != -1:  # (a recomputation: backward work)
             return
         self._add(self.trained * self.forward_part)
         out = output[0] if isinstance(output, (tuple, list)) and output else output
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(self._gradient_ready)
+        # the first block's own backward ends with its input's gradient (no block's output after it): without
+        # this its part was never counted, a plain step's count stopping near 0.8 until the update
+        if module is self.first and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            args[0].register_hook(self._first_done)
 
     def _gradient_ready(self, _grad) -> None:
         if self.counting:
             self._add(self.trained * (self.head_part if self.above else self.backward_part))
             self.above = False
+
+    def _first_done(self, _grad) -> None:
+        if self.counting:
+            self._add(self.trained * self.backward_part)
 
     def _frozen_done(self, *_) -> None:
         if self.counting and torch._C._current_graph_task_id() == -1:
