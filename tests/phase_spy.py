@@ -42,3 +42,30 @@ def running_phases() -> list:
     """The phases running in this process now, outermost first (what a heartbeat line would name)."""
     with progress._HEARTBEAT.lock:
         return list(progress._HEARTBEAT.phases)
+
+
+def record_speaking(monkeypatch) -> list:
+    """record_phases for a test of rank 0's counts: lines on (none due within a test), no injected fault."""
+    made = record_phases(monkeypatch.setattr)
+    monkeypatch.setenv(progress.INTERVAL_ENV, "1000")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("LONGCTX_FAULT", "")
+    return made
+
+
+def train_quietly(overrides: list[str], before_run=None):
+    """A Trainer of these overrides, `before_run(trainer)` called first, run with its log silenced; returned."""
+    from longctx.config import load_config
+    from longctx.train.trainer import Trainer
+
+    trainer = Trainer(load_config(None, overrides), log=lambda *a, **k: None)
+    if before_run is not None:
+        before_run(trainer)
+    trainer.run()
+    return trainer
+
+
+def training_values(made) -> list[float]:
+    """Every value the training phase's count took (the one "training" phase among `made`)."""
+    (training,) = [p for p in made if p.what == "training"]
+    return training.values

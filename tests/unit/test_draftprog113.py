@@ -17,7 +17,7 @@ import longctx.progress as progress_module
 from longctx.config import load_config
 from longctx.models.flops import draft_train_flops_per_token, forward_flops_per_token
 from longctx.train.trainer import Trainer
-from phase_spy import record_phases
+from phase_spy import record_speaking, train_quietly, training_values
 
 QUIET = ["--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false", "--data.max_docs=20",
          "--train.device=cpu", "--metrics.log_interval=1"]
@@ -26,24 +26,14 @@ QUIET = ["--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress
 @pytest.fixture
 def recorded(monkeypatch):
     """The phases made while the test runs, each recording its count (rank 0, lines on but not due in a test)."""
-    made = record_phases(monkeypatch.setattr)
-    monkeypatch.setenv("LONGCTX_PROGRESS_S", "1000")
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setenv("LONGCTX_FAULT", "")
-    return made
+    return record_speaking(monkeypatch)
 
 
-def _train(tmp_path, *extra, before_run=None) -> Trainer:
-    trainer = Trainer(load_config(None, [*QUIET, f"--train.run_dir={tmp_path}", *extra]), log=lambda *a, **k: None)
-    if before_run is not None:
-        before_run(trainer)
-    trainer.run()
-    return trainer
+def _train(tmp_path, *extra, before_run=None):
+    return train_quietly([*QUIET, f"--train.run_dir={tmp_path}", *extra], before_run)
 
 
-def _training(made) -> list[float]:
-    (training,) = [p for p in made if p.what == "training"]
-    return training.values
+_training = training_values
 
 
 def _never_back_and_whole(values: list[float], steps: int) -> None:

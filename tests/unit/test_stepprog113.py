@@ -15,10 +15,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import longctx.progress as progress_module
-from longctx.config import load_config
 from longctx.progress import phase
-from longctx.train.trainer import Trainer
-from phase_spy import RecordedPhase, record_phases
+from phase_spy import RecordedPhase, record_speaking, train_quietly, training_values
 
 BASE = ["--model.layers=2", "--train.seq_len=64", "--train.global_batch=2", "--data.max_docs=20",
         "--metrics.plots=false", "--metrics.progress=false", "--train.device=cpu", "--checkpoint.final=false",
@@ -28,24 +26,14 @@ BASE = ["--model.layers=2", "--train.seq_len=64", "--train.global_batch=2", "--d
 @pytest.fixture
 def recorded(monkeypatch):
     """The phases made while the test runs, each recording its count (rank 0, lines on but not due in a test)."""
-    made = record_phases(monkeypatch.setattr)
-    monkeypatch.setenv("LONGCTX_PROGRESS_S", "1000")
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setenv("LONGCTX_FAULT", "")
-    return made
+    return record_speaking(monkeypatch)
 
 
 def _train(tmp_path, *extra, before_run=None):
-    trainer = Trainer(load_config(None, [*BASE, f"--train.run_dir={tmp_path / 'run'}", *extra]), log=lambda *a: None)
-    if before_run is not None:
-        before_run(trainer)
-    trainer.run()
-    return trainer
+    return train_quietly([*BASE, f"--train.run_dir={tmp_path / 'run'}", *extra], before_run)
 
 
-def _training(made) -> list[float]:
-    (training,) = [p for p in made if p.what == "training"]
-    return training.values
+_training = training_values
 
 
 def _check_steps(values: list[float], steps: int) -> list[float]:

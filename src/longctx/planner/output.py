@@ -13,6 +13,7 @@ import textwrap
 
 from .. import strict_json
 from ..config import Config, build_config, rules, to_dict, to_toml
+from ..costs.cuda_runtime import CUDA_RUNTIME, CUDA_RUNTIME_BYTES
 from ..costs.model_states import param_counts, params_text, predicted_active_params
 from ..errors import ConfigError
 from ..job.checks import check_layout
@@ -164,14 +165,24 @@ def _term_heading(key: str) -> str:
 
 def memory_legend(res: PlanResult, top: int = 10) -> str:
     """What each memory column of the table holds, wrapped at 100 columns like the command's errors."""
-    terms = memory_terms(_rows(res, top))
+    rows = _rows(res, top)
+    terms = memory_terms(rows)
     text = ("memory per GPU in GiB, each figure rounded to 0.1, the terms adding up to the total within rounding: " +
             "; ".join(f"{_term_heading(k)} = {MEMORY_TERMS[k][1]}" if k in MEMORY_TERMS else k for k in terms) +
             ". states in = memory.model_states (device; host_optimizer: fp32 weights on the GPU, master copy, "
             "gradients and moments in host memory, AdamW on the host; host: all of them in host memory). "
             "host/GPU, host/node = host memory in GiB per rank and per node: a host tier's states, offloaded "
-            "activations, the data loader's batches" + _zero_pp_legend(_rows(res, top)))
+            "activations, the data loader's batches" + _runtime_legend(rows) + _zero_pp_legend(rows))
     return textwrap.fill(text, width=100, break_on_hyphens=False)
+
+
+def _runtime_legend(rows: list[Estimate]) -> str:
+    """The host columns' CUDA runtime, on GPU hardware (planner/cost.py footprint_of): with the states on the
+    device and nothing offloaded it is most of host/node."""
+    if not any(CUDA_RUNTIME in e.host for e in rows):
+        return ""
+    return (f", and each GPU rank's CUDA context and libraries ({CUDA_RUNTIME_BYTES / 2**30:.2f} GiB: "
+            "costs/cuda_runtime.py, as the preflight of `longctx train` counts them)")
 
 
 def _zero_pp_legend(rows: list[Estimate]) -> str:
