@@ -18,7 +18,7 @@ runs in a scratch working directory (runs/, stores/, out/ land there) in which:
 Prints one JSON document (each command, its exit code and seconds, with the conditions they hold
 under: the machine, and per command the load average before it and the CPU seconds it used, so a
 time measured beside other work reads as such); exits non-zero if any failed.
-Usage: python benchmarks/readme_tour.py [--with-tests] [--only SUBSTRING] [--keep DIR]
+Usage: python benchmarks/readme_tour.py [--with-tests] [--only SUBSTRING]... [--keep DIR]
 """
 
 from __future__ import annotations
@@ -84,9 +84,9 @@ def readme_python(readme: Path) -> list[str]:
 
 def prepare(work: Path) -> dict[str, str]:
     """The things the README's placeholders stand for, made in `work`; returns the substitutions."""
-    shutil.copytree(ROOT / "configs", work / "configs")
+    shutil.copytree(ROOT / "configs", work / "configs", dirs_exist_ok=True)  # (a --keep DIR toured before: reused)
     texts = work / "texts"
-    texts.mkdir()
+    texts.mkdir(exist_ok=True)
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in stdlib.glob("*.py"))[:120]
     for p in files[:100]:
@@ -110,7 +110,7 @@ def prepare(work: Path) -> dict[str, str]:
     Qwen3ForCausalLM(small).save_pretrained(work / "Qwen3-0.6B", safe_serialization=True)
     shutil.copy(work / "tokenizer.json", work / "Qwen3-0.6B" / "tokenizer.json")
     big = work / "Qwen3-8B"
-    big.mkdir()
+    big.mkdir(exist_ok=True)
     (big / "config.json").write_text(json.dumps({
         "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096,
         "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -209,20 +209,46 @@ def _used(before: tuple[float, float], seconds: float) -> dict:
             "cores_busy": round(cpu / seconds, 2) if seconds > 0 else None}
 
 
+def _run(argv: list[str], label: str, work: Path, env: dict,
+         logs: Path | None) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run one command in `work`: (its result, its record: exit code, seconds, conditions, stderr's tail on a
+    failure, the done: line). With --keep, its whole output is kept in logs/NN.txt (what it printed, to read)."""
+    t0, before = time.perf_counter(), _conditions()
+    try:
+        r = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True)
+    except OSError as e:  # a program that cannot start is this command's failure, not the tour's end
+        r = subprocess.CompletedProcess(argv, 127, "", str(e))
+    seconds = time.perf_counter() - t0
+    rec = {"command": label, "exit_code": r.returncode, "seconds": round(seconds, 1), **_used(before, seconds)}
+    if r.returncode:
+        rec["stderr_tail"] = r.stderr[-2000:]
+    done = [x for x in r.stdout.splitlines() if x.startswith("done:")]
+    if done:
+        rec["summary"] = done[-1]
+    if logs is not None:
+        logs.mkdir(exist_ok=True)
+        log = logs / f"{len(list(logs.glob('*.txt'))):02d}.txt"
+        log.write_text(f"$ {label}\n{' '.join(argv)}\n--- stdout\n{r.stdout}--- stderr\n{r.stderr}")
+        rec["log"] = str(log)
+    print(f"{'ok ' if r.returncode == 0 else 'FAIL'} {seconds:7.1f}s  {label}", file=sys.stderr, flush=True)
+    return r, rec
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--with-tests", action="store_true", help="also run the README's test command")
-    p.add_argument("--only", default="", help="run only the commands containing this text")
-    p.add_argument("--keep", default="", help="work in this directory and keep it")
+    p.add_argument("--only", action="append", default=[],
+                   help="run only the commands containing this text (repeated: any of them)")
+    p.add_argument("--keep", default="", help="work in this directory and keep it (each command's output: logs/)")
     a = p.parse_args()
     work = Path(a.keep or tempfile.mkdtemp(prefix="readme-tour-"))
     work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env, logs = {**os.environ, "PYTHONUNBUFFERED": "1"}, (work / "logs" if a.keep else None)
     print(f"readme tour in {work}", file=sys.stderr)
     subs = prepare(work)
     results, first_run, saved_steps = [], None, 0
     for cmd in (c for page in PAGES for c in readme_commands(ROOT / page)):
-        if a.only and a.only not in cmd:
+        if a.only and not any(text in cmd for text in a.only):
             continue
         argv, why = adapt(cmd, subs, first_run, a.with_tests)
         if argv is None:
@@ -230,42 +256,20 @@ def main() -> int:
             continue
         if "--train.steps" in argv and argv[argv.index("--train.steps") + 1] == str(10**6):
             argv[argv.index("--train.steps") + 1] = str(saved_steps + TOUR_STEPS)
-        t0, before = time.perf_counter(), _conditions()
-        try:
-            r = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True)
-        except OSError as e:  # a program that cannot start is this command's failure, not the tour's end
-            r = subprocess.CompletedProcess(argv, 127, "", str(e))
-        seconds = time.perf_counter() - t0
+        r, rec = _run(argv, cmd, work, env, logs)
         found = re.search(r"run directory: (\S+)", r.stdout)
         if found and first_run is None:
             first_run = found.group(1)
         saved = re.findall(r"checkpoint: saved step (\d+)", r.stdout)
         if saved:
             saved_steps = int(saved[-1])
-        rec = {"command": cmd, "ran": " ".join(argv[2:] if argv[0] == sys.executable else argv),
-               "exit_code": r.returncode, "seconds": round(seconds, 1), **_used(before, seconds)}
-        if r.returncode:
-            rec["stderr_tail"] = r.stderr[-2000:]
-        done = [x for x in r.stdout.splitlines() if x.startswith("done:")]
-        if done:
-            rec["summary"] = done[-1]
-        results.append(rec)
-        print(f"{'ok ' if r.returncode == 0 else 'FAIL'} {seconds:7.1f}s  {cmd}", file=sys.stderr, flush=True)
+        results.append({"command": cmd, "ran": " ".join(argv[2:] if argv[0] == sys.executable else argv), **rec})
     for i, code in enumerate(readme_python(ROOT / "README.md")):
-        if a.only and a.only not in code:
+        if a.only and not any(text in code for text in a.only):
             continue
         for k, v in subs.items():
             code = code.replace(k, v)
-        t0, before = time.perf_counter(), _conditions()
-        r = subprocess.run([sys.executable, "-c", code], cwd=work, env=env, capture_output=True, text=True)
-        seconds = time.perf_counter() - t0
-        rec = {"command": f"README python block {i + 1}", "exit_code": r.returncode, "seconds": round(seconds, 1),
-               **_used(before, seconds)}
-        if r.returncode:
-            rec["stderr_tail"] = r.stderr[-2000:]
-        results.append(rec)
-        print(f"{'ok ' if r.returncode == 0 else 'FAIL'} {seconds:7.1f}s  README python block {i + 1}", file=sys.stderr,
-              flush=True)
+        results.append(_run([sys.executable, "-c", code], f"README python block {i + 1}", work, env, logs)[1])
     failed = [r for r in results if r.get("exit_code")]
     print(json.dumps({"bench": "readme_tour", "date": time.strftime("%Y-%m-%d"), "work": str(work),
                       "machine": _machine(), "commands": results, "failed": len(failed)}, indent=1))

@@ -197,8 +197,9 @@ class LayerCounts:
 
 def _count(n: float, total: float) -> str:
     """A count as a line says it: whole, but a part of one too in a total of few ('0.4/2 sequences' where '0/2'
-    would not move, '0.3/0.4 MB')."""
-    return f"{n:,.1f}" if total < 100 and n != int(n) else f"{n:,.0f}"
+    would not move, '0.3/0.4 MB'), never '8.0' for a count a hair short of 8 (whole, as the lines around it)."""
+    tenths = f"{n:,.1f}"
+    return tenths if total < 100 and not tenths.endswith(".0") else f"{n:,.0f}"
 
 
 class _Quiet(Phase):
