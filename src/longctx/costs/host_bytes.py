@@ -181,8 +181,14 @@ def host_adam_seconds(m: ModelConfig, shape: MeshShape, tier: str, hw: Hardware,
     """Seconds of the AdamW step on the host, whose cores the node's ranks share (0 under device)."""
     if tier == "device":
         return 0.0
-    rate = hw.host_adam_gparams_per_s * 1e9 / max(1, ranks_per_node)
-    return rank_params(m, shape) / rate if rate > 0 else float("inf")
+    return adam_seconds(rank_params(m, shape), hw.host_adam_gparams_per_s, ranks_per_node)
+
+
+def adam_seconds(params: float, gparams_per_s: float, ranks_per_node: int) -> float:
+    """Seconds of a host AdamW step over a rank's `params` at the node's rate (1e9 parameters/s), which its
+    ranks share."""
+    rate = gparams_per_s * 1e9 / max(1, ranks_per_node)
+    return params / rate if rate > 0 else float("inf")
 
 
 def exposed_host_state_seconds(m: ModelConfig, shape: MeshShape, tier: str, hw: Hardware, grad_accum: int,

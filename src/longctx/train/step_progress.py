@@ -43,11 +43,12 @@ What part of a step each kind of its work is (StepWeights), from the cost model'
   runs on the host's cores after the backward, exposed) and host_optimizer (under FSDP the next forward waits for
   the whole update; at world 1 on a GPU it hides behind that forward: costs/host_bytes.py), it is the cost
   model's host AdamW time (the rank's parameters at costs/hardware.py host_adam_rate, the node's rate shared by
-  its ranks: host_adam_seconds' model) over itself plus the step's predicted compute (the run's model FLOPs,
-  train/metrics.py run_flops_per_token, at GEMM_EFFICIENCY of the peak MFU divides by). Against what this 2-core
-  CPU timed under host (debug model, 2 layers, 0.48M parameters): 16 tokens a step predicted 0.23, the update
-  took 0.075 of the step (its tiny GEMMs run far below the peak); 512 tokens predicted 0.02 (the floor), took
-  0.018. A long-context step's update is a small part; a short one's is counted high, never missed.
+  its ranks: costs/host_bytes.py adam_seconds, the planner's) over itself plus the step's predicted compute
+  (the run's model FLOPs, train/metrics.py run_flops_per_token, at GEMM_EFFICIENCY of the peak MFU divides by).
+  Against what this 2-core CPU timed under host (debug model, 2 layers, 0.48M parameters): 16 tokens a step
+  predicted 0.23, the update took 0.075 of the step (its tiny GEMMs run far below the peak); 512 tokens
+  predicted 0.02 (the floor), took 0.018. A long-context step's update is a small part; a short one's is
+  counted high, never missed.
 
 Prediction only: nothing here is timed. The rest is counted when the update is done (StepCounts.updated).
 """
@@ -61,6 +62,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..costs.hardware import host_adam_rate
+from ..costs.host_bytes import adam_seconds
 from ..models.flops import draft_target_flops_per_token
 from ..progress import Phase
 from .metrics import run_flops_per_token
@@ -97,7 +99,7 @@ def update_share(cfg, *, seq_len: int, tokens: float, params: int, peak: float |
     hidden = tier == "host_optimizer" and world == 1 and device_type == "cuda"  # (behind the next forward)
     if tier == "device" or hidden or not peak:
         return REST
-    adam_s = params / (host_adam_rate(device_type) * 1e9 / max(1, local_ranks))
+    adam_s = adam_seconds(params, host_adam_rate(device_type), local_ranks)
     compute_s = run_flops_per_token(cfg, seq_len) * tokens / (peak * GEMM_EFFICIENCY)
     return min(MOST, max(REST, adam_s / (adam_s + compute_s)))
 
