@@ -19,7 +19,7 @@ from test_newcomer import longctx_here  # noqa: E402
 import longctx.generate.engine as engine  # noqa: E402
 import longctx.train.trainer as trainer_module  # noqa: E402
 from longctx import progress  # noqa: E402
-from longctx.checkpoint.manager import CheckpointManager  # noqa: E402
+from longctx.checkpoint import counted_read  # noqa: E402
 from longctx.config import load_config  # noqa: E402
 
 
@@ -68,18 +68,18 @@ def test_training_set_up_and_a_resumes_read_run_inside_phases(tmp_path, monkeypa
     run = [*BASE, f"--train.run_dir={tmp_path / 'r'}"]
     trainer_module.Trainer(load_config(None, [*run, "--train.steps=1"]), log=lambda *a, **k: None).run()
     seen = {}
-    real_build, real_load = trainer_module.build_training_model, CheckpointManager.load
+    real_build, real_load = trainer_module.build_training_model, counted_read.dcp.load
 
     def build(*args, **kwargs):
         seen["build"] = _running()
         return real_build(*args, **kwargs)
 
-    def load(self, path, *args, **kwargs):
+    def load(*args, **kwargs):  # (DCP's read of the resume's states)
         seen["load"] = _running()
-        return real_load(self, path, *args, **kwargs)
+        return real_load(*args, **kwargs)
 
     monkeypatch.setattr(trainer_module, "build_training_model", build)
-    monkeypatch.setattr(CheckpointManager, "load", load)
+    monkeypatch.setattr(counted_read.dcp, "load", load)
     trainer = trainer_module.Trainer(load_config(None, [*run, "--train.steps=2", "--checkpoint.resume=auto"]),
                                      log=lambda *a, **k: None)
     assert trainer.start_step == 1

@@ -282,15 +282,15 @@ def test_generates_model_load_is_a_phase_that_counts_the_checksums_read(tmp_path
 def test_a_runs_init_from_load_is_two_phases(tmp_path, monkeypatch):
     """model.init_from (and eval's load: checkpoint/weights_only.py load_weights_into) verified and read the
     checkpoint in silence, as generate's load did: minutes each for an 8B model."""
+    from longctx.checkpoint import counted_read
     from longctx.checkpoint import manager as manager_module
-    from longctx.checkpoint import weights_only
 
     run = ["--train.seq_len=64", "--train.global_batch=2", "--data.max_docs=40", "--train.eval_interval=0",
            "--metrics.plots=false", "--train.device=cpu", "--train.steps=1"]
     quiet_log = lambda *a, **k: None  # noqa: E731
     trainer_module.Trainer(load_config(None, run + [f"--train.run_dir={tmp_path / 'a'}"]), log=quiet_log).run()
     seen = []
-    real_find, real_load = manager_module.CheckpointManager._find_damage, weights_only.dcp.load
+    real_find, real_load = manager_module.CheckpointManager._find_damage, counted_read.dcp.load
 
     def find_damage(self, path, progress):  # (the checks themselves, inside find_damage's phase)
         seen.append(("verify", [p.what for p in _running()]))
@@ -301,7 +301,7 @@ def test_a_runs_init_from_load_is_two_phases(tmp_path, monkeypatch):
         return real_load(*a, **kw)
 
     monkeypatch.setattr(manager_module.CheckpointManager, "_find_damage", find_damage)
-    monkeypatch.setattr(weights_only.dcp, "load", load)
+    monkeypatch.setattr(counted_read.dcp, "load", load)
     step = tmp_path / "a" / "checkpoints" / "step-00000001"
     trainer_module.Trainer(load_config(None, run + [f"--train.run_dir={tmp_path / 'b'}", f"--model.init_from={step}"]),
                            log=quiet_log).run()

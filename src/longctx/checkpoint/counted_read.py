@@ -9,7 +9,18 @@ plan's chunk lengths are the bytes it reads."""
 
 from __future__ import annotations
 
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+
+from ..progress import phase
+
+
+def read_counted(state: dict, path, **dcp_kwargs) -> None:
+    """dcp.load of the checkpoint directory `path` into `state` (`dcp_kwargs`: process_group, no_dist), as a
+    progress phase "checkpoint: reading PATH" counting this rank's MB: every read of a checkpoint's tensors (a
+    resume, a rollback, init_from, eval, export, generate) is said the same way."""
+    with phase(f"checkpoint: reading {path}", done_line=False) as progress:
+        dcp.load(state, storage_reader=CountingReader(path, progress), **dcp_kwargs)
 
 
 class CountingReader(FileSystemReader):

@@ -62,7 +62,7 @@ from ..job import comm, watchdog
 from ..job.launch import new_gloo_group
 from ..progress import phase
 from .background import Worker, host_copies, reusable_stager, silence_single_process_save
-from .counted_read import CountingReader
+from .counted_read import read_counted
 from .failures import SAVE_ERRORS, save_failed, state_bytes
 from .manifest import (
     CHECKSUM_MISMATCH,
@@ -384,10 +384,10 @@ class CheckpointManager:
         return None
 
     # ------------------------------------------------------------------ loading
-    def load(self, path: Path, model, optimizer, manifest: dict | None = None, progress=None) -> dict:
+    def load(self, path: Path, model, optimizer, manifest: dict | None = None) -> dict:
         """Restore model, optimizer and RNG from `path` into the current layout; returns the trainer state.
-        `manifest` is one `resume_point` verified already; without it the checkpoint is verified here.
-        `progress` (a progress.Phase of the read), if given, counts the MB of this rank's read (counted_read.py)."""
+        `manifest` is one `resume_point` verified already; without it the checkpoint is verified here. The read is
+        a progress phase counting this rank's MB (counted_read.py)."""
         if manifest is None:
             manifest = self.verified_manifest(path)
         check_model_matches(manifest, self.model_cfg, path)
@@ -403,8 +403,7 @@ class CheckpointManager:
         # would bring the saver's. (lr: the trainer sets the schedule's every step.)
         own_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         with _single_process(self.world == 1):
-            dcp.load(state, storage_reader=CountingReader(path, progress), process_group=self.group,
-                     no_dist=self.world == 1)
+            read_counted(state, path, process_group=self.group, no_dist=self.world == 1)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         for group, own in zip(optimizer.param_groups, own_groups):
             params = group["params"]

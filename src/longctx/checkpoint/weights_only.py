@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from ..config.checkpoint_paths import CheckpointError
 from ..progress import phase
-from .counted_read import CountingReader
+from .counted_read import read_counted
 from .manager import CheckpointManager, _single_process
 from .manifest import check_weights_fit, damage_report, verify
 
@@ -32,9 +31,8 @@ def load_weights_into(path: Path, model, rt, log=print, flag: str = "model.init_
                               f"(`longctx checkpoint verify PATH` checks one).")
     state = {"model": get_model_state_dict(model)}
     check_weights_fit(path, state["model"], "start from a checkpoint of the configured model")
-    with _single_process(rt.world == 1), phase(f"checkpoint: reading {path}", done_line=False) as progress:
-        dcp.load(state, storage_reader=CountingReader(path, progress), process_group=manager.group,
-                 no_dist=rt.world == 1)  # (counting this rank's MB read: counted_read.py)
+    with _single_process(rt.world == 1):
+        read_counted(state, path, process_group=manager.group, no_dist=rt.world == 1)
     set_model_state_dict(model, state["model"])
     model.init_rope()
     return manifest
@@ -48,7 +46,7 @@ def load_model_weights(path: Path, model) -> dict:
     state = {"model": model.state_dict()}
     # (the model is built from the checkpoint's own config: tensors beyond it mean a config that does not describe them)
     check_weights_fit(path, state["model"], "use the longctx version that wrote it")
-    with _single_process(True), phase(f"checkpoint: reading {path}", done_line=False) as progress:
-        dcp.load(state, storage_reader=CountingReader(path, progress), no_dist=True)
+    with _single_process(True):
+        read_counted(state, path, no_dist=True)
     model.load_state_dict(state["model"])
     return manifest

@@ -21,7 +21,6 @@ from pathlib import Path
 from ..checkpoint.manifest import damage_report
 from ..config.checkpoint_paths import MANIFEST, trajectory
 from ..errors import TrainingError
-from ..progress import phase
 
 RECORD = "rollbacks.jsonl"
 # rollbacks in a row to one checkpoint (no newer one saved in between) before a bad step stops the run instead:
@@ -196,8 +195,7 @@ def roll_back(bad: BadStep, ckpt, model, optimizer, sampler, is_main: bool, repe
             f"step, or use train.on_nonfinite = skip.")
     path, manifest = found
     check_repeats(bad, path, manifest, {} if repeats is None else repeats)
-    with phase(f"checkpoint: reading {path}", done_line=False) as progress:  # (as a resume's: train/setup.py)
-        state = ckpt.load(path, model, optimizer, manifest, progress=progress)  # (counting this rank's MB)
+    state = ckpt.load(path, model, optimizer, manifest)  # (a progress phase counting its MB, as a resume's)
     back_to = int(state["step"])
     if is_main:
         try:

@@ -32,7 +32,6 @@ from ..data.tokenizer import load_tokenizer
 from ..durable import write_text_durably
 from ..errors import ConfigError, DataError
 from ..job.runtime import Runtime, on_main
-from ..progress import phase
 from .metrics import json_record
 from .run_lock import RunLock
 from .stages import holdout_grid, stage_config
@@ -345,8 +344,7 @@ def open_checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer
             log(f"checkpoint: nothing to resume in {root}; starting at step 1")
         return manager, 0
     path, manifest = found
-    with phase(f"checkpoint: reading {path}", done_line=False) as progress:  # (a large model's states: minutes)
-        state = manager.load(path, model, optimizer, manifest, progress=progress)  # (counting this rank's MB)
+    state = manager.load(path, model, optimizer, manifest)  # (a progress phase: a large model's states are minutes)
     sampler.load_state_dict(state["sampler"])
     # (both layouts whole, the expert degree too: a resume under another one reshards the experts)
     log(f"checkpoint: resumed step {state['step']} from {path} (written by {layout_text(state['manifest']['layout'])}; "
