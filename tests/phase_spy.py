@@ -56,12 +56,16 @@ def record_speaking(monkeypatch) -> list:
 def train_quietly(overrides: list[str], before_run=None):
     """A Trainer of these overrides, `before_run(trainer)` called first, run with its log silenced; returned."""
     from longctx.config import load_config
+    from longctx.job.launch import end_one_rank_group
     from longctx.train.trainer import Trainer
 
     trainer = Trainer(load_config(None, overrides), log=lambda *a, **k: None)
     if before_run is not None:
         before_run(trainer)
-    trainer.run()
+    try:
+        trainer.run()
+    finally:
+        end_one_rank_group()  # (as train() does: a host run at world 1 ends the one-rank group it made)
     return trainer
 
 

@@ -6,7 +6,8 @@ longest sequence that trains.
 Per-block bytes do not depend on how many blocks the model has, so `--layers` (default 3: one or
 more offloaded blocks plus the kept last one) keeps long sequences of big shapes measurable on a
 small machine. Output: one JSON document on stdout; progress (a line as each policy, timing round
-and --max-seq probe starts and ends, with seconds) goes to stderr, so a run of minutes is never silent.
+and --max-seq probe starts and ends, with seconds; while the timing runs, heartbeat lines counting its steps)
+goes to stderr, so a run of minutes is never silent.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from ..memory.rss import peak_rss_bytes
 from ..models.llama import build_model
 from ..parallel.context.sequence import shard_sequence
 from ..parallel.parallelize import apply_memory, use_sequence_parallel_attention
-from ..progress import phase, speaker
+from ..progress import Phase, phase, speaker
 from .max_seq import HOST_OOM, check_search, is_host_oom, longest_sequence, longest_sequence_cpu, parse_bytes
 
 POLICIES = {
@@ -174,16 +175,23 @@ def _one_step(model, inputs, device) -> float:
     return time.perf_counter() - t0
 
 
-def _time_interleaved(models: dict, inputs, steps: int, device) -> dict:
+def _time_interleaved(models: dict, inputs, steps: int, device, progress: Phase | None = None) -> dict:
     """Median step time per policy, the policies taking turns step by step (one warm-up step each),
-    so drifting machine load hits them alike."""
+    so drifting machine load hits them alike. Each step, warm-up or timed, counts one on `progress`."""
     times = {name: [] for name in models}
     for model in models.values():
         _one_step(model, inputs, device)
+        _counted(progress)
     for _ in range(steps):
         for name, model in models.items():
             times[name].append(_one_step(model, inputs, device))
+            _counted(progress)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _counted(progress: Phase | None) -> None:  # (outside the step's clock: the count is no part of its time)
+    if progress is not None:
+        progress.update()
 
 
 def measure(args, seq: int, dims=None, mesh=None) -> dict:
@@ -218,10 +226,12 @@ def measure(args, seq: int, dims=None, mesh=None) -> dict:
         del model
     if models:
         speak(f"{where}: timing {args.time_steps} step{'s' if args.time_steps != 1 else ''} of each of "
-              f"{len(models)} policies (taking turns)")
+              f"{len(models)} policies (taking turns, after a warm-up step each)")
         t0 = time.perf_counter()
-        try:
-            _add_step_times(out, models, inputs, args.time_steps, device)
+        try:  # (counted by steps, the warm-ups too: a long length's timing says how far it is, and the time left)
+            with phase(f"timing {len(models)} policies", total=len(models) * (args.time_steps + 1), unit="steps",
+                       done_line=False) as timing:
+                _add_step_times(out, models, inputs, args.time_steps, device, timing)
             speak(f"{where}: timed in {time.perf_counter() - t0:.1f} s")
         except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:  # (every timed model held at once)
             said = _out_of_memory(e, device)
@@ -290,9 +300,9 @@ def _measure_policy(model, model_cfg, policy: str, fraction: float, args, seq: i
     return entry
 
 
-def _add_step_times(out: dict, models: dict, inputs, steps: int, device) -> None:
+def _add_step_times(out: dict, models: dict, inputs, steps: int, device, progress: Phase | None = None) -> None:
     """Each timed policy's median step time into its entry, and its ratio to `none` when `none` was timed."""
-    for name, step_s in _time_interleaved(models, inputs, steps, device).items():
+    for name, step_s in _time_interleaved(models, inputs, steps, device, progress).items():
         out[name]["step_s"] = step_s
     base = out.get("none", {}).get("step_s")
     for entry in out.values():

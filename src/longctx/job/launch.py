@@ -250,11 +250,13 @@ def finish_distributed() -> None:
 
 
 def end_one_rank_group() -> None:
-    """After a job that failed: end the one-rank group init_one_rank_group made, so that a program
-    which catches the error (an embedding program, a test) can start the next job in this process;
-    left, it made that job's own group fail with "trying to initialize the default process group
-    twice". It has no peer to wait for; a launched job's groups are left to its exit instead, since a
-    barrier there could wait for the rank that failed."""
+    """After a job in this process, failed or finished (train() calls it either way): end the one-rank
+    group init_one_rank_group made, so that a program which runs jobs in process (an embedding
+    program, a notebook, a test) starts the next one as it started the first; left, a job after an
+    error made its own group fail with "trying to initialize the default process group twice", and
+    after a finished one reused a group nobody owned. It has no peer to wait for; a launched job's
+    groups are left to finish_distributed or its exit instead, since a barrier there could wait for
+    the rank that failed. A group the program made itself is not ours (_ours) and stays."""
     global _CREATED
     if _ours() and dist.get_world_size() == 1:
         _destroy_process_group()

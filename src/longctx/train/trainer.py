@@ -14,11 +14,10 @@ With train.loss_weighting = sequence the same holds of the step's trained sequen
 What is set up before the first step lives in setup.py (run directory, data, checkpoints) and
 model.py (the parallelised model); the pieces of a step the planner also uses (optimizer,
 schedule, loss forward, clipping) in the step/ package; what a metrics line says in metrics.py, an evaluation
-(a mix's loss of each store among it) in evaluation.py. What a step
-does beside the loss is done by step hooks called at fixed points (hooks.py; the MoE routers'
-bookkeeping: moe_hooks.py), LONGCTX_FAULT's faults by a wrapper around the step
-(fault_injection.py); when to save in saves.py, what watches the loop in watch.py, the one read of the steps'
-figures and what a bad step or a stop leads to in read_back.py.
+(a mix's loss of each store among it) in evaluation.py. What a step does beside the loss is done by step hooks
+called at fixed points (hooks.py; the MoE routers' bookkeeping: moe_hooks.py), LONGCTX_FAULT's faults by a
+wrapper around the step (fault_injection.py); when to save in saves.py, what watches the loop in watch.py, the
+one read of the steps' figures and what a bad step or a stop leads to in read_back.py.
 """
 
 from __future__ import annotations
@@ -434,15 +433,16 @@ def train(cfg: Config, log=print, *, preflighted: bool = False) -> TrainResult:
     launcher's env:// variables; `longctx train` passes `preflighted`, its preflight having checked), it first refuses
     a run that would not fit in this machine's free host memory, with the figures, as `longctx train` does before
     any work (train/host_budget.py), rather than leave it to the OOM killer in the first step. Not on a rank of a
-    process group the caller made (job/launch.py init_distributed reuses it): one job's ranks, as under a launcher."""
+    process group the caller made (job/launch.py init_distributed reuses it): one job's ranks, as under a launcher;
+    that group stays the caller's, while the one-rank group memory.model_states = host makes at world 1 ends with the
+    run, finished or failed (a run ends what it started: a second run in this process starts as the first did)."""
     own_group = torch.distributed.is_available() and torch.distributed.is_initialized()
     if not preflighted and not under_launcher() and not own_group:
         check_host_memory(cfg, check_layout(cfg, 1), 1, resolve_device(cfg.train.device).type)
     try:
         return Trainer(cfg, log).run()
-    except BaseException:
-        end_one_rank_group()  # (memory.model_states = host at world 1 made it)
-        raise
+    finally:
+        end_one_rank_group()  # (only the group this run's join_job made; a launched job's: finish_distributed)
 
 
 def _silent(*_args, **_kwargs) -> None:
