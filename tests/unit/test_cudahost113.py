@@ -14,6 +14,7 @@ from longctx.config import load_config
 from longctx.costs.cuda_runtime import CUDA_RUNTIME_BYTES
 from longctx.costs.hardware import get_hardware
 from longctx.costs.host_bytes import one_memory_bytes, predicted_rank_bytes
+from longctx.costs.rank_process import PROCESS_BYTES
 from longctx.errors import ConfigError
 from longctx.job.checks import check_layout
 from longctx.memory.policy import MemoryPolicy
@@ -139,9 +140,9 @@ def test_a_gpu_plan_counts_the_runtime_per_rank_as_the_preflight_does():
     gpu = estimate(cfg.model, get_hardware("h100"), shape, policy, **kw)
     _, host = run_bytes(cfg, dims, "cuda")
     assert gpu.host["cuda_runtime"] == CUDA_RUNTIME_BYTES
-    assert gpu.host_per_node == pytest.approx(8 * (host["total"] + CUDA_RUNTIME_BYTES))
-    # the plan and the preflight agree on a rank's host bytes
-    assert gpu.host["total"] == pytest.approx(rank_host_bytes(cfg, dims, "cuda", 8, 1e12)["total"])
+    assert gpu.host_per_node == pytest.approx(8 * (host["total"] + CUDA_RUNTIME_BYTES + PROCESS_BYTES))
+    # the plan and the preflight agree on a rank's host bytes (a rank to start: its interpreter too, plan114)
+    assert gpu.host["total"] == pytest.approx(rank_host_bytes(cfg, dims, "cuda", 8, 1e12)["total"] + PROCESS_BYTES)
     # a CPU calibration's plan has none
     cpu = estimate(cfg.model, get_hardware("h100").replace(name="cpu-test"), shape, policy, **kw)
     assert "cuda_runtime" not in cpu.host

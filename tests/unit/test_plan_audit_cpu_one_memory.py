@@ -9,6 +9,7 @@ from longctx.config import load_config
 from longctx.costs.hardware import PRESETS
 from longctx.costs.host_bytes import one_memory_bytes, predicted_rank_bytes
 from longctx.costs.model_states import param_counts
+from longctx.costs.rank_process import PROCESS_BYTES
 from longctx.costs.shape import MeshShape
 from longctx.memory.policy import MemoryPolicy
 from longctx.planner.cost import footprint, gib_text
@@ -33,6 +34,7 @@ def _between():
                                         dtype_bytes=4, device_type="cpu")  # what the preflight counts
     peak = one_memory_bytes(m, MeshShape(), "device", device, host)
     assert peak >= 20 * param_counts(m)["total"] > device["total"]
+    peak += PROCESS_BYTES  # and the rank's interpreter, in the same memory (a rank the preflight starts: plan114)
     return m, policy, (device["total"] + peak) / 2, peak
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from longctx.config import load_config
 from longctx.costs.hardware import PRESETS
+from longctx.costs.rank_process import PROCESS_BYTES
 from longctx.memory.accounting import estimate_activations
 from longctx.planner import search
 from longctx.planner.request import policies
@@ -61,8 +62,10 @@ FRESH_CASES = {
     "co2 held, three levels": lambda: Request(model("llama3-8b"), SLOW.replace(group_ranks=2, middle_gbps=28), 32,
                                               2**15, micro_batches=(1,)),
     "70b one gpu": lambda: Request(model("llama3-70b"), PRESETS["h200"], 1, 2**15, micro_batches=(1,)),
-    "cpu one memory": lambda: Request(model("debug"), H100.replace(name="cpu-test", memory_gib=0.05,
-                                                                   host_memory_gib=0), 2, 2**12),
+    # (0.05 GiB for the run, as before, and each process's interpreter, which shares a CPU's one memory: plan114)
+    "cpu one memory": lambda: Request(model("debug"), H100.replace(
+        name="cpu-test", memory_gib=0.05 + PROCESS_BYTES / 2**30 / H100.usable_memory_fraction, host_memory_gib=0),
+        2, 2**12),
 }
 
 

@@ -23,12 +23,13 @@ def plan_text(capsys, *hardware: str) -> tuple[str, float]:
 
 def test_the_plan_legend_names_the_cuda_runtime_its_host_columns_count(capsys):
     legend, host_node = plan_text(capsys, "--hardware", "h100")
-    # the best plan keeps its states on the GPU and offloads nothing, yet holds about a GiB of host memory
-    assert 0.9 <= host_node <= 1.1, host_node
+    # the best plan keeps its states on the GPU and offloads nothing, yet holds about a GiB of host memory (and the
+    # rank's interpreter, 0.3 GiB: costs/rank_process.py)
+    assert 1.2 <= host_node <= 1.4, host_node
     assert re.search(r"host/GPU, host/node = .*CUDA context and libraries \(0\.95 GiB", legend), legend
 
 
 def test_a_cpu_calibrations_plan_legend_names_no_cuda_runtime(capsys):
     legend, host_node = plan_text(capsys, "--hardware", "h100", "--hw", "name=cpu-test")
-    assert host_node < 0.1, host_node
+    assert host_node < 0.4, host_node  # (the rank's interpreter alone, 0.3 GiB: costs/rank_process.py)
     assert "host/GPU, host/node" in legend and "CUDA" not in legend, legend

@@ -10,8 +10,9 @@ machine (torch 2.13 CPU build, 2026-12-06, fresh data cache) peaks at 0.54 GiB, 
 device bytes in host memory (train/host_budget.py's "device (CPU: host memory)" part, which the GPU holds on the
 device): 1.39 - (0.54 - 0.11) = 0.96 GiB is what the GPU run held besides the interpreter, the launcher's work and
 the run's host bytes (~0.2 MiB: its data loader). Rounded down to 0.95 GiB. A CUDA build of torch imports more
-than a CPU build, which the preflight's "process" part (the launcher's own RSS) already counts on the GPU machine,
-so the figure leans high by that much. benchmarks/gpu_frontier.py re-measures it on each lent GPU
+than a CPU build: that extra is in this figure, and the "process" part beside it (costs/rank_process.py: the
+planner's figure, and the preflight's launcher RSS capped at it) is a CPU build's interpreter, so it is counted
+once. benchmarks/gpu_frontier.py re-measures it on each lent GPU
 (`cuda_process`: a process that makes the context, runs one cuBLAS matmul and one SDPA call).
 """
 

@@ -9,8 +9,9 @@ compute time, exposed communication, step time, tokens/s and MFU.
 - activation memory: `memory.accounting.estimate_activations` (the formulas `longctx bench memory`
   is compared with to the byte), plus `memory.transients.transient_bytes`, the working set of one
   block's backward and of the LM head on top of it; host memory per node for offloaded activations
-  and attention state (`attention_offload_host_and_traffic`), and on a GPU each rank's CUDA context and
-  libraries (costs/cuda_runtime.py, as train's preflight counts them);
+  and attention state (`attention_offload_host_and_traffic`), each rank's interpreter with torch and longctx
+  imported (costs/rank_process.py, part "process") and on a GPU its CUDA context and libraries
+  (costs/cuda_runtime.py): the parts train's preflight counts for the ranks it starts;
 - communication bytes (planner/comm_bytes.py, from parallel/context/volumes.py, the closed forms comm.py's
   counters are tested to equal): attention's `attention_bytes` times the layers, the micro-batches and, under full
   recomputation, the forward once more; document ids cost no bytes (the training loop plans each
@@ -48,6 +49,7 @@ from ..costs.host_bytes import (
     host_parts_but_offloaded,
     one_memory_bytes,
 )
+from ..costs.rank_process import PROCESS, with_process
 from ..costs.shape import MeshShape
 from ..costs.timing import (
     Flops,
@@ -145,6 +147,11 @@ def gib_text(nbytes: float) -> str:
     return f"{g:.1f}" if g >= 0.95 else f"{g:.3g}"
 
 
+# host parts every run holds, whatever its memory settings (memory_problems: not refused where hardware names no
+# host memory)
+EVERY_RUN = ("data_loader", PROCESS, CUDA_RUNTIME)
+
+
 def memory_problems(memory: dict[str, float], host: dict[str, float], ranks_per_node: int,
                     hw: Hardware, one_memory: float = 0.0) -> list[str]:
     """What does not fit: GPU memory, host memory per node (`host`: one rank's by part). one_memory: on a
@@ -163,12 +170,12 @@ def memory_problems(memory: dict[str, float], host: dict[str, float], ranks_per_
                         f"one_memory_bytes, what the preflight of `longctx train` checks)")
     per_node = host["total"] * ranks_per_node
     # hardware that names no host memory (0: a CPU calibration, test hardware) still refuses offload
-    # and host-tier states, but not the data loader's batches or the CUDA runtime every run holds
-    every_run = host.get("data_loader", 0.0) + host.get(CUDA_RUNTIME, 0.0)
+    # and host-tier states, but not the data loader's batches, the interpreter or the CUDA runtime every run holds
+    every_run = sum(host.get(k, 0.0) for k in EVERY_RUN)
     checked = per_node if hw.host_memory_gib else (host["total"] - every_run) * ranks_per_node
     if checked > hw.usable_host_bytes and not hw.host_memory_gib:  # (was "needs 0.0 GiB ... (), 0.0 usable of 0")
         parts = ", ".join(f"{k.replace('_', ' ')} {v * ranks_per_node / 2**20:,.1f} MiB" for k, v in host.items()
-                          if k not in ("total", "data_loader", CUDA_RUNTIME) and v > 0)
+                          if k not in ("total", *EVERY_RUN) and v > 0)
         problems.append(f"keeps {checked / 2**20:,.1f} MiB in host memory per node ({parts}), but hardware {hw.name} "
                         f"has no host memory (host_memory_gib = 0): plan without host memory (--model-states device "
                         f"--offload none), or give it (--hw host_memory_gib=GIB --hw usable_host_fraction=0.8)")
@@ -341,8 +348,9 @@ def footprint_of(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryP
     parts = kept_state_parts(states, m, hw, shape, model_states, policy.grad_sync, grad_accum, seq_len=seq_len,
                              micro_batch=micro_batch, doc_mask=doc_mask, settings=settings)
     memory = device_bytes_with(parts[0], costs.acts.total_device, costs.transient)
-    host = host_bytes_with(parts[1], costs.acts_host, costs.attn_host)
-    if not hw.is_cpu:  # each GPU rank's CUDA context and libraries, as the preflight counts them
+    # each rank's interpreter, and each GPU rank's CUDA context and libraries, as the preflight counts them
+    host = with_process(host_bytes_with(parts[1], costs.acts_host, costs.attn_host))
+    if not hw.is_cpu:
         host = with_cuda_runtime(host)
     # a CPU run's peak as the preflight counts it: its foreach AdamW's step, and where the hardware has no host
     # memory of its own (a calibration: one memory), the host bytes in the same memory as the device's

@@ -15,6 +15,7 @@ from .. import strict_json
 from ..config import Config, build_config, rules, to_dict, to_toml
 from ..costs.cuda_runtime import CUDA_RUNTIME, CUDA_RUNTIME_BYTES
 from ..costs.model_states import param_counts, params_text, predicted_active_params
+from ..costs.rank_process import PROCESS, PROCESS_BYTES
 from ..errors import ConfigError
 from ..job.checks import check_layout
 from .cost import Estimate
@@ -172,17 +173,21 @@ def memory_legend(res: PlanResult, top: int = 10) -> str:
             ". states in = memory.model_states (device; host_optimizer: fp32 weights on the GPU, master copy, "
             "gradients and moments in host memory, AdamW on the host; host: all of them in host memory). "
             "host/GPU, host/node = host memory in GiB per rank and per node: a host tier's states, offloaded "
-            "activations, the data loader's batches" + _runtime_legend(rows) + _zero_pp_legend(rows))
+            "activations, the data loader's batches" + _per_rank_legend(rows) + _zero_pp_legend(rows))
     return textwrap.fill(text, width=100, break_on_hyphens=False)
 
 
-def _runtime_legend(rows: list[Estimate]) -> str:
-    """The host columns' CUDA runtime, on GPU hardware (planner/cost.py footprint_of): with the states on the
-    device and nothing offloaded it is most of host/node."""
-    if not any(CUDA_RUNTIME in e.host for e in rows):
-        return ""
-    return (f", and each GPU rank's CUDA context and libraries ({CUDA_RUNTIME_BYTES / 2**30:.2f} GiB: "
-            "costs/cuda_runtime.py, as the preflight of `longctx train` counts them)")
+def _per_rank_legend(rows: list[Estimate]) -> str:
+    """The host columns' per-rank parts (planner/cost.py footprint_of): each rank's interpreter ("process"), and on
+    GPU hardware its CUDA runtime; with the states on the device and nothing offloaded they are most of host/node."""
+    text = ""
+    if any(PROCESS in e.host for e in rows):
+        text += (f", each rank's interpreter with torch and longctx imported (process: {PROCESS_BYTES / 2**30:.2f} "
+                 "GiB, costs/rank_process.py)")
+    if any(CUDA_RUNTIME in e.host for e in rows):
+        text += (f", each GPU rank's CUDA context and libraries ({CUDA_RUNTIME_BYTES / 2**30:.2f} GiB: "
+                 "costs/cuda_runtime.py)")
+    return text + (", the same parts the preflight of `longctx train` counts for the ranks it starts" if text else "")
 
 
 def _zero_pp_legend(rows: list[Estimate]) -> str:

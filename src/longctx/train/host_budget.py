@@ -12,7 +12,9 @@ train.stages sets the figure. `memory.offload_fraction = auto` is decided inside
 (the model-state tier's states, staging, the loader): it is counted here at its largest, fraction 1.0,
 capped at that bound. On a CUDA run each rank's CUDA context and the libraries it loads (the CUDA runtime,
 cuBLAS, cuDNN, NCCL) take host memory too: costs/cuda_runtime.py's one figure, part "cuda_runtime", which the
-planner's host/node counts the same way.
+planner's host/node counts the same way. Ranks yet to start (`longctx train --nproc N`) each take an interpreter
+with torch and longctx imported, part "process" (this launcher's RSS, at most costs/rank_process.py's figure, which
+the planner's host/node counts for every rank): the plan and the preflight count the same parts.
 
 The budget is MemAvailable, or what this process's memory cgroup leaves where that is less (a container's
 limit: memory/auto.py `host_memory_free`), or LONGCTX_HOST_MEMORY_BYTES
@@ -37,6 +39,7 @@ from ..costs.host_bytes import (
     rank_params,
     stager_registers,
 )
+from ..costs.rank_process import PROCESS, PROCESS_BYTES, with_process
 from ..costs.shape import MeshShape
 from ..errors import ConfigError
 from ..job.checks import node_size, zero_pp_names
@@ -53,7 +56,9 @@ BUDGET_ENV = "LONGCTX_HOST_MEMORY_BYTES"
 AUTO_SHARE = 0.8  # memory/auto.py: offload_fraction auto keeps within 0.8 x host memory per rank
 CPU_DEVICE = "device (CPU: host memory)"
 GIB = 2**30
-PROCESS_CAP = 2**30  # check_host_memory: the most a rank yet to start is counted before its run's bytes
+# check_host_memory: the most a rank yet to start is counted before its run's bytes, the planner's figure
+# (costs/rank_process.py: so the preflight's "process" part never exceeds the plan's)
+PROCESS_CAP = PROCESS_BYTES
 
 # what to change when a part is the largest
 ADVICE = {
@@ -66,12 +71,12 @@ ADVICE = {
                       "CO2 state to host memory)",
     "data_loader": "a shorter train.seq_len or a smaller train.global_batch",
     CPU_DEVICE: "a smaller model, a shorter train.seq_len, or memory.recompute=full with memory.block_chunk",
-    "process": "fewer ranks (--nproc): each is an interpreter with torch before any of the run's bytes",
+    PROCESS: "fewer ranks (--nproc): each is an interpreter with torch before any of the run's bytes",
     CUDA_RUNTIME: f"fewer ranks per node (--nproc), or a node with more free host memory: each CUDA rank holds its "
                   f"CUDA context and libraries (the CUDA runtime, cuBLAS, cuDNN, NCCL; "
                   f"~{CUDA_RUNTIME_BYTES / GIB:.2f} GiB: costs/cuda_runtime.py) besides the run's bytes",
 }
-PER_PROCESS = ("process", CUDA_RUNTIME)  # parts whose advice is already fewer ranks
+PER_PROCESS = (PROCESS, CUDA_RUNTIME)  # parts whose advice is already fewer ranks
 
 
 def host_budget() -> tuple[float, str]:
@@ -198,8 +203,9 @@ def rank_host_bytes(cfg: Config, dims, device_type: str, ranks_on_node: int, bud
 def check_host_memory(cfg: Config, dims, ranks_on_node: int, device_type: str, new_processes: bool = False) -> None:
     """Raise a ConfigError when this node's ranks would need more host memory than the budget. `new_processes`: the
     ranks are processes yet to start (`longctx train --nproc N`'s launcher), each of which takes an interpreter with
-    torch and longctx imported before any of the run's bytes (~0.3 GiB; this launcher's own size stands for it),
-    which the free memory does not yet hold; a rank that runs already (a torchrun rank, one in-process run) holds
+    torch and longctx imported before any of the run's bytes ("process": this launcher's own size stands for it, at
+    most costs/rank_process.py's PROCESS_BYTES, the figure the planner counts), which the free memory does not yet
+    hold; a rank that runs already (a torchrun rank, one in-process run) holds
     its own. On a CUDA run each rank's CUDA context and libraries ("cuda_runtime", ~1 GiB: costs/cuda_runtime.py)
     are counted where the free memory does not hold them yet: ranks to start, and this process as the rank (the
     launcher's --nproc 1, train/trainer.py train's in-process run) until it has made its context
@@ -211,8 +217,7 @@ def check_host_memory(cfg: Config, dims, ranks_on_node: int, device_type: str, n
     if new_processes:
         # (at most PROCESS_CAP: a launcher holding more than its imports, a notebook's or a test worker's, is no
         # rank's start)
-        per_rank = {**per_rank, "process": float(min(current_rss_bytes(), PROCESS_CAP))}
-        per_rank["total"] = sum(v for k, v in per_rank.items() if k != "total")
+        per_rank = with_process(per_rank, min(current_rss_bytes(), PROCESS_CAP))
     need = per_rank["total"] * ranks_on_node
     if need <= budget:
         return
