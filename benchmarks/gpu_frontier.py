@@ -4,7 +4,8 @@ all within one budget (BUDGET_S, default 450 s), in order of what matters most:
 
 0. cuda_process (~10 s): the host memory a CUDA rank holds besides its run's bytes, the figure the host preflight
    and the planner count per GPU rank (costs/cuda_runtime.py CUDA_RUNTIME_BYTES, "cuda_runtime"): a fresh process
-   imports torch (torch_import_gib, its RSS then), makes the CUDA context, runs one cuBLAS matmul and one SDPA
+   imports torch and longctx (imports_gib, its RSS then: a rank's "process" part, beside the planner's
+   costs/rank_process.py figure, process_constant_gib), makes the CUDA context, runs one cuBLAS matmul and one SDPA
    call; cuda_process_gib is its peak RSS, cuda_runtime_gib the difference, beside the constant (constant_gib).
    A training rank loads more (NCCL's communicators, the optimizer's kernels): the probe is a floor for it;
 1. smoke: the debug model 30 steps under each memory.model_states tier; the losses against device's
@@ -95,6 +96,7 @@ CUDA_PROCESS = """
 import json, resource, sys
 import torch
 import torch.nn.functional as F
+import longctx.cli  # (a rank's imports: the "process" part, costs/rank_process.py)
 
 def peak_gib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -104,21 +106,24 @@ a = torch.randn(1024, 1024, device=sys.argv[1], dtype=torch.bfloat16)  # (the CU
 (a @ a).sum().item()  # cuBLAS
 q = torch.randn(1, 8, 512, 64, device=sys.argv[1], dtype=torch.bfloat16)
 F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().item()
-print(json.dumps({"torch_import_gib": round(imported, 3), "cuda_process_gib": round(peak_gib(), 3)}))
+print(json.dumps({"imports_gib": round(imported, 3), "cuda_process_gib": round(peak_gib(), 3)}))
 """
 
 
 def cuda_process() -> dict:
-    """Probe 0 (the module's docstring): CUDA's own host memory in a process of its own, against the constant."""
+    """Probe 0 (the module's docstring): CUDA's own host memory in a process of its own, against the constant; and
+    the process's RSS with torch and longctx imported (a CUDA build's), against the planner's "process" figure."""
     from longctx.costs.cuda_runtime import CUDA_RUNTIME_BYTES
+    from longctx.costs.rank_process import PROCESS_BYTES
 
     done = subprocess.run([sys.executable, "-c", CUDA_PROCESS, DEVICE], capture_output=True, text=True,
                           timeout=max(1.0, min(120.0, left())))
     if done.returncode:
         return {"device": DEVICE, "rc": done.returncode, "tail": done.stderr[-1500:]}
     got = json.loads(done.stdout.splitlines()[-1])
-    got["cuda_runtime_gib"] = round(got["cuda_process_gib"] - got["torch_import_gib"], 3)
-    out = {"device": DEVICE, **got, "constant_gib": round(CUDA_RUNTIME_BYTES / 2**30, 3)}
+    got["cuda_runtime_gib"] = round(got["cuda_process_gib"] - got["imports_gib"], 3)
+    out = {"device": DEVICE, **got, "constant_gib": round(CUDA_RUNTIME_BYTES / 2**30, 3),
+           "process_constant_gib": round(PROCESS_BYTES / 2**30, 3)}
     print(json.dumps(out), flush=True)
     return out
 
