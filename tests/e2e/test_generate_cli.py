@@ -364,7 +364,7 @@ def test_a_glide_draft_decodes_what_plain_greedy_decodes(glide_dirs, tmp_path):
     for cape in ([], ["--cape"]):
         out = tmp_path / f"glide{len(cape)}.jsonl"
         r = _run_here(*common, "--draft", str(glide), "--speculate", "3", *cape, "--output", str(out))
-        assert "GliDe draft (block 3)" in r.stderr
+        assert "GliDe draft (block 3, " in r.stderr  # (its parameters beside the block)
         [line] = _lines(out)
         assert line["tokens"] == plain["tokens"] and 1 <= line["tau"] <= 4
     r = longctx("bench", "decode", "--target", str(target), "--draft", str(glide), "--lengths", "64",

@@ -41,8 +41,8 @@ def _describe(checkpoint) -> str:
 
 def test_the_describe_line_says_the_step_read(checkpoints):
     (checkpoints / "latest").write_text("step-00000003")
-    assert f"from {checkpoints} (step 3) on cpu" in _describe(checkpoints)
-    assert f"from {checkpoints / 'step-00000001'} (step 1) on cpu" in _describe(checkpoints / "step-00000001")
+    assert f"), {checkpoints} step 3, on cpu" in _describe(checkpoints)
+    assert f"), {checkpoints / 'step-00000001'} step 1, on cpu" in _describe(checkpoints / "step-00000001")
 
 
 @pytest.mark.parametrize("latest", ["step-00000009", "step-00000002"])
@@ -50,8 +50,8 @@ def test_a_latest_naming_a_missing_step_is_said_beside_the_step_read(checkpoints
     (checkpoints / "step-00000002").mkdir(exist_ok=True)  # (a step whose save did not finish: no manifest)
     (checkpoints / "latest").write_text(latest)
     said = _describe(checkpoints)
-    assert (f"from {checkpoints} (step 3, the newest complete one: its `latest` names {latest}, which is missing or "
-            f"incomplete) on cpu") in said, said
+    assert (f"), {checkpoints} step 3 (the newest complete one: its `latest` names {latest}, which is missing or "
+            f"incomplete), on cpu") in said, said
 
 
 @pytest.mark.parametrize("command, extra", [("generate", ["--prompt", "x"]),

@@ -14,12 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from ..config.checkpoint_paths import find_checkpoint
 from ..errors import ConfigError
 from ..models.clover import CloverDraft
 from ..models.glide import GlideDraft
+from .counted_read import read_counted
 from .manager import _single_process
 from .manifest import read_manifest, verify
 
@@ -104,8 +104,19 @@ def build_draft(record: dict, target_cfg) -> GlideDraft | CloverDraft:
 
 def read_draft_weights(found: Path, draft: GlideDraft | CloverDraft) -> None:
     """The draft's own tensors (state-dict keys `draft.*`: its parameters and its vocabulary's ids) from the
-    checkpoint directory `found` (a step-* directory, verified by the caller) into `draft`."""
+    checkpoint directory `found` (a step-* directory, verified by the caller) into `draft`: read as every
+    checkpoint's tensors are (counted_read.py: the phase "checkpoint: reading PATH", its MB counted)."""
     state = {"model": {_PREFIX + k: v for k, v in draft.state_dict().items()}}
     with _single_process(True):
-        dcp.load(state, checkpoint_id=str(found), no_dist=True)
+        read_counted(state, found, no_dist=True)
     draft.load_state_dict({k.removeprefix(_PREFIX): v for k, v in state["model"].items()})
+
+
+def draft_words(record: dict, params: str = "") -> str:
+    """What a draft is, in words, from its `draft` record (or a run's [draft]: kind, layers, block): "a 1-layer
+    GliDe draft (block 4)", "a Clover draft (block 4)", with `params` (e.g. "0.23M parameters") in the brackets
+    where given. The draft's own figures: its target is named apart, with its own."""
+    said = f"block {record['block']}" + (f", {params}" if params else "")
+    if record.get("kind") == "clover":
+        return f"a Clover draft ({said})"
+    return f"a {record['layers']}-layer GliDe draft ({said})"

@@ -148,9 +148,19 @@ def step_read(spec: str) -> str:
     """What a command that read the weights of `spec` (a longctx checkpoint) says of them: the step read, and
     when `spec` is a checkpoints directory whose `latest` names a step that is missing or incomplete, that the
     newest complete one was read instead. '' for hf:DIR or where there is none."""
+    read = read_step(spec)
+    if read is None:
+        return ""
+    step, note = read
+    return f" (step {step}{', ' + note if note else ''})"
+
+
+def read_step(spec: str) -> tuple[int | str, str] | None:
+    """(the step of the checkpoint `spec` names, the note step_read adds when `latest` named a missing or
+    incomplete one, else ''); None for hf:DIR or where there is none."""
     found = None if spec.startswith("hf:") else find_checkpoint(spec)
     if found is None:
-        return ""
+        return None
     # (the step its manifest records: a checkpoint directory of another name, best/ or a copy, is read as well)
     manifest = manifest_or_empty(found)
     recorded = manifest.get("step") if isinstance(manifest, dict) else None
@@ -163,6 +173,5 @@ def step_read(spec: str) -> str:
     except (OSError, UnicodeDecodeError):
         named = "nothing readable"
     if named == found.name or (named and pointer.parent / named == found):  # (a `latest` of its path too)
-        return f" (step {step})"
-    return (f" (step {step}, the newest complete one: its `{LATEST}` names {named}, which is missing or "
-            f"incomplete)")
+        return step, ""
+    return step, f"the newest complete one: its `{LATEST}` names {named}, which is missing or incomplete"

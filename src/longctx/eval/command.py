@@ -119,6 +119,7 @@ def main(args, overrides) -> int:
     from ..job.launch import check_launcher_env, refuse_scheduler_tasks, under_launcher
     from ..job.relaunch import argv_without_nproc, note_finished, relaunch
     from .request import prepare
+    from .results import model_said
 
     tasks = parse_tasks(args.task)  # (first: an unknown or repeated task before anything is read)
     if not under_launcher():
@@ -134,6 +135,7 @@ def main(args, overrides) -> int:
         requests = [dataclasses.replace(r, place=f"task {ran[i] + 1} of {len(requests)}")
                     for i, r in enumerate(requests)]
     if not under_launcher():  # (once: in the launcher, or the one process; a note several tasks share, once)
+        say(f"eval: model {model_said(requests[0].cfg.model, args.checkpoint)}")
         replacing = replacing_note(args.output)  # (before work: a Ctrl-C then still keeps the file)
         notes = [note for request in requests for note in request.notes] + ([replacing] if replacing else [])
         for note in dict.fromkeys(notes):

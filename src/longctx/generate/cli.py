@@ -393,12 +393,16 @@ def _say_run(request: GenerateRequest, args, device, dtype) -> None:
 
 
 def _describe(request: GenerateRequest, args, device, dtype) -> str:
-    """The line rank 0 says before generating: model, checkpoint (the step read), where, dtype, prompts, tokenizer."""
+    """The line rank 0 says before generating: the model (config/model_name.py model_line: its name, parameters and
+    the checkpoint's step read), where, dtype, prompts, tokenizer."""
+    from ..config.model_name import model_line
+    from ..costs.model_states import params_text
+
     m, p = request.cfg.model, request.cfg.parallel
     where = f"{p.head * p.ctx} ranks (head {p.head} x ctx {p.ctx}, the cache sharded)" if p.head * p.ctx > 1 else \
         device.type
     cpu = f", {threads.describe()}" if device.type == "cpu" else ""
-    return (f"generate: {m.label} from {args.checkpoint}{step_read(args.checkpoint)} on {where} "
+    return (f"generate: {model_line(m, args.checkpoint, params_text(m))}, on {where} "
             f"({str(dtype).removeprefix('torch.')}{cpu}), "
             f"{len(request.prompts)} prompt{'s' * (len(request.prompts) > 1)}, tokenizer {request.tokenizer_spec}")
 
@@ -419,7 +423,7 @@ def _load_draft(request: GenerateRequest, args, model, device, dtype, main_rank:
             per_pass = (f"up to {args.speculate} proposals per target pass, each round's chosen from those kept so "
                         f"far (draft cost {cost:.3g} of a target pass, verification {args.verify_cost or 0:.3g} per "
                         f"extra token; 0 proposals, a plain step, where none pays)")
-        say(f"generate: speculative decoding with {draft_label(request.draft_cfg)} from {args.draft}, "
+        say(f"generate: speculative decoding with {draft_label(request.draft_cfg, args.draft, draft)}, "
              f"{per_pass}, one prompt at a time")
     return draft
 

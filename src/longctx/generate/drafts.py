@@ -150,10 +150,21 @@ def load_draft(draft_cfg, target, device, dtype):
     return load_model(draft_cfg, device, dtype)
 
 
-def draft_label(draft_cfg) -> str:
-    """What the draft is, in words (its kind, and a GliDe draft's layers)."""
+def draft_label(draft_cfg, spec: str = "", draft=None) -> str:
+    """What the draft is, in words: a GliDe or Clover draft's kind, layers and block (checkpoint/glide.py
+    draft_words), and its parameters where the loaded `draft` is given; a plain draft model's name and parameters
+    (config/model_name.py); with `spec` (--draft) where it was read: "... from runs/g/checkpoints step 4"."""
+    from ..config.model_name import count_words, model_name, weights_read
+
     if isinstance(draft_cfg, dict):
-        if draft_cfg.get("kind") == "clover":
-            return f"a Clover draft (block {draft_cfg['block']})"
-        return f"a {draft_cfg['layers']}-layer GliDe draft (block {draft_cfg['block']})"
-    return draft_cfg.model.label
+        from ..checkpoint.glide import draft_words
+
+        count = sum(p.numel() for p in draft.parameters()) if draft is not None else 0
+        said = draft_words(draft_cfg, f"{count_words(count)} parameters" if count else "")
+    elif draft is None and not spec:
+        return draft_cfg.model.label
+    else:
+        from ..costs.model_states import params_text
+
+        said = f"{model_name(draft_cfg.model)} ({params_text(draft_cfg.model)})"
+    return said + (f" from {weights_read(spec) or spec}" if spec else "")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..config.checkpoint_paths import step_name
 from ..config.inert_options import inert_option_notes
+from ..config.model_name import count_words, model_line
 from ..config.moe_rules import moe_notes
 from ..models.llama import count_params
 from ..step.schedule import schedule_note, schedule_words
@@ -23,7 +24,7 @@ def describe_run(cfg, world: int, dims, model, device, dtype, peak: str) -> list
               f"{dims.ctx}" + (f" (window {dims.window})" if dims.window else "") + f", {dims.placement}{expert}"
               if world > 1 else "1 process")
     cpu = f", {threads.describe()}" if device.type == "cpu" else ""
-    return [f"model: {cfg.model.label}, {count_params(model) / 1e6:.2f}M parameters, "
+    return [f"model: {_model_words(cfg, model)}, "
             f"{device.type} {str(dtype).removeprefix('torch.')}{cpu}, memory: recompute={mem.recompute}"
             + (f" offload={mem.offload_fraction} skip_last={mem.offload_skip_last}" if mem.offload_fraction else "")
             + _memory_options(mem) + f", loss_chunk={mem.loss_chunk}, {layout}"
@@ -35,6 +36,21 @@ def describe_run(cfg, world: int, dims, model, device, dtype, peak: str) -> list
         [model.grad_bucket_plan.describe()] if hasattr(model, "grad_bucket_plan") else []) + [
         f"note: {note}" for note in (moe_notes(cfg.model) if not cfg.draft.target else []) + [schedule_note(cfg)]
         + inert_option_notes(cfg) if note]
+
+
+def _model_words(cfg, model) -> str:
+    """The model the run trains and its parameters; a draft's training (draft.target: GliDe, Clover) names the
+    draft (its kind, layers, block and parameters) and the frozen target it learns from (config/model_name.py:
+    its name, parameters and the step read), each with its own figures."""
+    if not cfg.draft.target:
+        return f"{cfg.model.label}, {count_params(model) / 1e6:.2f}M parameters"
+    from ..checkpoint.glide import draft_words
+    from ..costs.model_states import params_text
+
+    d = cfg.draft
+    drafted = f"{count_words(count_params(getattr(model, 'draft', model)))} parameters"
+    return (f"{draft_words({'kind': d.kind, 'layers': d.layers, 'block': d.block}, drafted)} against the target "
+            f"{model_line(cfg.model, d.target, params_text(cfg.model))}")
 
 
 def _memory_options(mem) -> str:
