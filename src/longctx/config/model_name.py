@@ -60,5 +60,6 @@ def weights_read(spec: str) -> str:
 
 
 def count_words(n: int) -> str:
-    """A parameter count as costs/model_states.py params_text writes one: '0.23M', '8.03B'."""
+    """A parameter count in words, as every model line writes one (costs/model_states.py params_text too): '0.23M',
+    '8.03B'."""
     return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"

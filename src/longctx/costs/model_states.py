@@ -28,6 +28,7 @@ import math
 import weakref
 
 from ..config import ModelConfig
+from ..config.model_name import count_words
 from ..models.flops import layer_matmul_params, moe_ffn_params
 from ..models.llama import build_model
 from .shape import MeshShape
@@ -106,11 +107,9 @@ def predicted_active_params(m: ModelConfig) -> int:
 
 def params_text(m: ModelConfig) -> str:
     """'8.03B parameters', or for a MoE model '30.5B parameters, 3.35B active'."""
-    def fmt(n: int) -> str:
-        return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
-
     total = param_counts(m)["total"]
-    return f"{fmt(total)} parameters" + (f", {fmt(predicted_active_params(m))} active" if m.is_moe else "")
+    return f"{count_words(total)} parameters" + (f", {count_words(predicted_active_params(m))} active"
+                                                 if m.is_moe else "")
 
 
 def predicted_model_state_bytes(m: ModelConfig, shape: MeshShape) -> float:
