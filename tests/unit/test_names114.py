@@ -165,6 +165,19 @@ def test_a_draft_runs_model_line_names_the_draft_and_the_target_each_with_its_fi
                            f"({_millions(whole)} parameters), {target} step 1, cpu float32"), line
 
 
+def test_a_fine_tunes_model_line_names_the_model_and_the_step_it_starts_from(target, tmp_path):
+    """A run from a longctx checkpoint (model.init_from) said "model: llama CHECKPOINTS, 0.87M parameters"."""
+    from longctx.train.run_lines import describe_run
+    from longctx.train.trainer import Trainer
+
+    trainer = Trainer(load_config(None, [*QUIET, f"--train.run_dir={tmp_path}", f"--model.init_from={target}"]),
+                      log=lambda *a, **k: None)
+    dims = SimpleNamespace(dp_replicate=1, dp_shard=1, head=1, ctx=1, window=0, placement="head-first", expert=1)
+    line = describe_run(trainer.cfg, 1, dims, trainer.model, torch.device("cpu"), torch.float32, "peak P")[0]
+    whole = _meta_count(load_config(None, QUIET).model)
+    assert line.startswith(f"model: debug ({_millions(whole)} parameters), {target} step 1, cpu float32"), line
+
+
 def test_generates_speculative_line_names_the_drafts_kind_parameters_and_step(target, drafts):
     from longctx.checkpoint.glide import glide_manifest, load_glide_draft
     from longctx.checkpoint.weights_only import load_model_weights

@@ -39,11 +39,12 @@ def describe_run(cfg, world: int, dims, model, device, dtype, peak: str) -> list
 
 
 def _model_words(cfg, model) -> str:
-    """The model the run trains and its parameters; a draft's training (draft.target: GliDe, Clover) names the
+    """The model the run trains and its parameters (config/model_name.py, as generate and eval name it, with the
+    step read where it starts from a longctx checkpoint); a draft's training (draft.target: GliDe, Clover) names the
     draft (its kind, layers, block and parameters) and the frozen target it learns from (config/model_name.py:
     its name, parameters and the step read), each with its own figures."""
-    if not cfg.draft.target:
-        return f"{cfg.model.label}, {count_params(model) / 1e6:.2f}M parameters"
+    if not cfg.draft.target:  # (a fine-tune from a longctx checkpoint: the step read; was "llama runs/a/checkpoints")
+        return model_line(cfg.model, cfg.model.init_from, f"{count_words(count_params(model))} parameters")
     from ..checkpoint.glide import draft_words
     from ..costs.model_states import params_text
 
