@@ -313,6 +313,7 @@ class BatchLoader:
     """Global batches of `batch_size` samples in seeded order, cost-balanced over `dp` ranks."""
 
     store: dict | None = None  # the identity of the store read (store_identity); None: samples of no store
+    mix = None  # the mix of stores read (data/store_mix.py StoreMix); None: one store, or samples of none
 
     def __init__(self, samples, batch_size: int, seed: int, dp: int = 1, balance: bool = True,
                  cost: tuple[float, float] = (1.0, 0.0)):
@@ -325,6 +326,10 @@ class BatchLoader:
         self.costs = samples.costs(*cost) if self.balance else None
         # taken once: the position is taken every step a run may roll back to
         self.store = identity_of(samples)
+        # a mix of stores (data/store_mix.py): its position records each store's count, by which a resume on an
+        # edited mix goes on from each store's own place
+        data = _data_read(samples)
+        self.mix = data if hasattr(data, "blend_position") else None
 
     def next_indices(self) -> list[int]:
         idx = self.order.next_indices(self.batch_size)
@@ -338,8 +343,19 @@ class BatchLoader:
             yield self.next_batch()
 
     def state_dict(self) -> dict:
-        """The sample order's cursor, and the identity of the store it is a cursor into (`store`)."""
-        return {**self.order.state_dict(), **({"store": self.store} if self.store is not None else {})}
+        """The sample order's cursor, and the identity of the store it is a cursor into (`store`); for a mix, each
+        store's count (`mix`)."""
+        return {**self.order.state_dict(), **({"store": self.store} if self.store is not None else {}),
+                **({"mix": self.mix.blend_position(self.order.cursor)} if self.mix is not None else {})}
+
+    def _continue_mix(self, state: dict, same: bool) -> list[str] | None:
+        """A mix's position: its schedule taken up again (same: the mix it was saved on), or each store's count
+        carried into this mix's schedule from the cursor on; None where there is nothing to take up (no mix, or
+        a position saved before the counts were recorded: the same cursor, as before)."""
+        record = state.get("mix")
+        if self.mix is None or record is None:
+            return None
+        return self.mix.continue_from(int(state.get("cursor", 0)), record, same)
 
     def _repacked_note(self, saved: dict, now: dict, allow_changes: bool) -> str:
         """The same documents, packed into other samples (both layouts recorded and different): refused, or
@@ -369,11 +385,18 @@ class BatchLoader:
                     f"would point into other data. "
                     f"Resume with the store the run trained on, or add --checkpoint.allow_changes true to continue "
                     f"on the new data from the same cursor.")
-            note = f"{what}; continuing on the new data from the same cursor (--checkpoint.allow_changes)."
-        elif saved is not None and now is not None and repacked(saved, now):
-            note = self._repacked_note(saved, now, allow_changes)
+            where = self._continue_mix(state, same=False)
+            note = (f"{what}; continuing on the new data from the same cursor (--checkpoint.allow_changes)."
+                    if where is None else
+                    f"{what}; each store goes on from its own place ({', '.join(where)}), drawn at the new mix's "
+                    f"weights from here on (--checkpoint.allow_changes).")
+        else:
+            where = self._continue_mix(state, same=True)
+            if saved is not None and now is not None and repacked(saved, now):
+                note = self._repacked_note(saved, now, allow_changes)
         saved_n = state.get("num_samples")
-        if saved_n is not None and int(saved_n) != len(self.samples):
+        # (a mix's stores each went on from their own count: the blend's size is no cursor's epoch)
+        if saved_n is not None and int(saved_n) != len(self.samples) and where is None:
             counts = (f"the checkpoint's data position is for {saved_n} training samples but the data has "
                       f"{len(self.samples)}")
             if not allow_changes:

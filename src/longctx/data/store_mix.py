@@ -20,6 +20,13 @@ no shuffle over it, which would break the weights at every prefix; its state is 
 global cursor of SampleOrder, so checkpoints, resumes, data-parallel balance (`costs`) and rank reads
 (`frames`, `read_at`, `label_count`: each row read from its store) work as for one store. `len` is
 the stores' samples together (one "blend epoch"), what a resume compares and the epochs are said of.
+
+A resume on an edited mix (other weights, a store added or dropped; under --checkpoint.allow_changes) goes on
+from each store's own place: the data position records how many samples each store had given (by its identity:
+`blend_position`), and from the resumed position on the blend's schedule starts afresh under the new weights,
+each store numbering its samples on from its count (`continue_from`). The same cursor in the new blend would
+map to other counts (count_s ~ w_s k under the new weights), repeating samples of a store weighed down and
+skipping some of one weighed up. The schedule's start is part of the position, so a later resume goes on exactly.
 """
 
 from __future__ import annotations
@@ -86,6 +93,10 @@ class StoreMix(SampleSet):
         self._choice = np.zeros(0, dtype=np.int64)  # the schedule, extended as far as it is read
         self._ordinal = np.zeros(0, dtype=np.int64)  # each position's count of earlier ones of its store
         self._counts = [0] * len(stores)
+        # the schedule runs from blend position `_first` (0, or where a resume on an edited mix began), each store
+        # numbering its samples on from `_start[s]` (what it had given before)
+        self._first, self._start = 0, [0] * len(stores)
+        self._counted = (0, np.zeros(len(stores), dtype=np.int64))  # (positions, each store's count among them)
         self._perms: dict[tuple[int, int], np.ndarray] = {}
         self.identity = mix_identity(stores, self.names, self.weights)
 
@@ -142,12 +153,46 @@ class StoreMix(SampleSet):
 
     def locate(self, k: int) -> tuple[int, int]:
         """Blend position k -> (its store, the sample of that store)."""
-        if k < 0:
-            raise IndexError(f"blend position {k} < 0")
-        self._extend(k + 1)
-        s = int(self._choice[k])
-        epoch, pos = divmod(int(self._ordinal[k]), len(self.stores[s]))
+        r = k - self._first
+        if r < 0:
+            raise IndexError(f"blend position {k} < {self._first}, where this run's schedule of the mix starts")
+        self._extend(r + 1)
+        s = int(self._choice[r])
+        epoch, pos = divmod(self._start[s] + int(self._ordinal[r]), len(self.stores[s]))
         return s, int(self._permutation(s, epoch)[pos])
+
+    def _given(self, k: int) -> list[int]:
+        """Each store's samples given before blend position k (k at least the schedule's start)."""
+        r = k - self._first
+        done, counts = self._counted
+        if r < done:  # (a rollback's position: counted again from the start)
+            done, counts = 0, np.zeros(len(self.stores), dtype=np.int64)
+        self._extend(r)
+        counts = counts + np.bincount(self._choice[done:r], minlength=len(self.stores))
+        self._counted = (r, counts)
+        return [int(a + b) for a, b in zip(self._start, counts)]
+
+    def blend_position(self, k: int) -> dict:
+        """What a data position at blend position k records of the mix: where this schedule started (`from`, each
+        store's count there) and each store's count at k (`given`), by the store's identity."""
+        ids = [store.identity["identity"] for store in self.stores]
+        return {"from": self._first, "start": [list(p) for p in zip(ids, self._start)],
+                "given": [list(p) for p in zip(ids, self._given(k))]}
+
+    def continue_from(self, cursor: int, record: dict, same: bool) -> list[str]:
+        """Go on from a data position's `record` (blend_position) at blend position `cursor`: on the same mix, the
+        schedule it was in; on an edited one, a schedule starting at `cursor` under this mix's weights, each store
+        from its count then (0 for one the position does not know). Returns how far each store had gone (the
+        stores' names with their counts), for the resume's note."""
+        counts = dict((ident, int(n)) for ident, n in record["start" if same else "given"])
+        ids = [store.identity["identity"] for store in self.stores]
+        first, start = int(record["from"]) if same else int(cursor), [counts.get(ident, 0) for ident in ids]
+        if (first, start) != (self._first, self._start):  # (else the schedule known so far stands: a rollback's)
+            self._first, self._start = first, start
+            self._choice, self._ordinal = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+            self._counts, self._counted = [0] * len(self.stores), (0, np.zeros(len(self.stores), dtype=np.int64))
+        return [f"{name} at sample {n:,}" + ("" if ident in counts else " (new)")
+                for name, n, ident in zip(self.names, self._start, ids)]
 
     def _by_store(self, indices) -> list[tuple[int, np.ndarray, list[int]]]:
         """Rows of `indices` grouped by store: (store, the rows' places in `indices`, their samples there)."""

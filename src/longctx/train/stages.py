@@ -3,9 +3,12 @@
 A stage is a sequence length and a number of steps. Each stage reads its own store (the default
 store of data.corpus at that length, built once and cached) and has its own sample order, whose
 state is one cursor like any run's; stages of one length share their store, and a later one's order
-goes on where the earlier ones left it (drawn_before), rather than training on their samples again.
-The loader switches at the first step of a stage; what is saved in a checkpoint is the stage, its
-cursor and the identity of its store (data/loader.py store_identity: a resume into that stage
+goes on where the earlier ones left it, rather than training on their samples again: where the run
+drew to (`cursors`, below), which the plan's steps x batch (drawn_before) is not after a resume that changed
+a batch (train.global_batch, or the batch of the stage the run is in) or, under --checkpoint.allow_changes, the
+stages before. The loader switches at the first step of a stage; what is saved
+in a checkpoint is the stage, its cursor, where each length's store's order stands (`cursors`) and the
+identity of its store (data/loader.py store_identity: a resume into that stage
 refuses a store rebuilt with other content), so a resume lands in the right stage at the right
 sample, whether the checkpoint is before, at or after a boundary. A run without stages is one stage
 of train.steps at train.seq_len, with exactly the loader it always had.
@@ -171,6 +174,9 @@ class StagedLoader:
         self._ahead: ReadAhead | None = None  # the next step's shares, being read
         self._ahead_step = 0
         self._ahead_from: dict | None = None  # the data position before the read-ahead step was drawn
+        # seq_len -> where its store's order stands after the stages of that length left so far (what the run drew);
+        # None: unknown (a position saved before it was recorded): the plan's drawn_before
+        self.cursors: dict[int, int] | None = {}
 
     def stage_of(self, step: int) -> Stage:
         return next((s for s in self.stages if s.first_step <= step <= s.last_step), self.stages[-1])
@@ -191,6 +197,8 @@ class StagedLoader:
         if stage == self.stage:
             return False
         self._drop_ahead()
+        if self.stage is not None and self.loader is not None and self.cursors is not None:
+            self.cursors[self.stage.seq_len] = self.loader.order.cursor  # (the stage left: where it left its store)
         cfg = self.cfg
         self.stage = stage
         self.train_samples, self.eval_samples = self.build_data(stage_config(cfg, stage))
@@ -203,12 +211,21 @@ class StagedLoader:
             # (the position records its own stage's store, checked against the store this stage reads now)
             changed = self.loader.load_state_dict(self._saved, allow_changes=cfg.checkpoint.allow_changes)
             self.position_note = " ".join(n for n in (self.position_note, changed) if n) or None
-        elif drawn := drawn_before(self.stages, stage):
+        elif drawn := self._drawn_before(stage, step):
             # the store of an earlier stage of this length: its order goes on past what they trained on (from its
             # first sample, this stage trained on their samples again, in the same order)
             self.loader.order.load_state_dict({"cursor": drawn})
         self._saved = None
         return True
+
+    def _drawn_before(self, stage: Stage, step: int) -> int:
+        """Where `stage`, entered at `step` with no position of its own, starts in its store's order: where the
+        stages of its length before it left it (cursors: what they drew, which the plan does not say when a resume
+        changed a batch), else the plan's count; at the plan's when the stage is entered past its first step
+        (boundaries moved on a resume: position_note says it starts at its start)."""
+        if self.cursors is not None and step == stage.first_step:
+            return self.cursors.get(stage.seq_len, 0)
+        return drawn_before(self.stages, stage)
 
     def _say_epochs(self, stage: Stage) -> None:
         """A stage that draws more samples than its store holds repeats them (one seeded shuffle per epoch,
@@ -275,7 +292,11 @@ class StagedLoader:
         if self.loader is None and self._saved is not None:
             return {**self._saved, "stage": self._resumed_stage}
         position = self._ahead_from if self._ahead is not None else self.loader.state_dict()
-        return {**position, "stage": self.stage.index}
+        if self.cursors is None:
+            return {**position, "stage": self.stage.index}
+        # (pairs: JSON keeps no integer keys)
+        cursors = {**self.cursors, self.stage.seq_len: int(position["cursor"])}
+        return {**position, "stage": self.stage.index, "cursors": [[n, c] for n, c in sorted(cursors.items())]}
 
     def load_state_dict(self, state: dict) -> None:
         """A checkpoint's (or a rollback's) data position: it continues its stage's order when that
@@ -284,6 +305,8 @@ class StagedLoader:
         self._drop_ahead()
         self._saved = dict(state)
         self._resumed_stage = int(state.get("stage", 0))
+        saved = state.get("cursors")
+        self.cursors = None if saved is None else {int(length): int(cursor) for length, cursor in saved}
         if self.stage is None:
             return
         if self._resumed_stage == self.stage.index:
