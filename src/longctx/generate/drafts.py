@@ -153,7 +153,8 @@ def load_draft(draft_cfg, target, device, dtype):
 def draft_label(draft_cfg, spec: str = "", draft=None) -> str:
     """What the draft is, in words: a GliDe or Clover draft's kind, layers and block (checkpoint/glide.py
     draft_words), and its parameters where the loaded `draft` is given; a plain draft model's name and parameters
-    (config/model_name.py); with `spec` (--draft) where it was read: "... from runs/g/checkpoints step 4"."""
+    (config/model_name.py); with `spec` (--draft) where it was read: "... from runs/g/checkpoints step 4" (not for
+    hf:DIR, whose name says its directory already)."""
     from ..config.model_name import count_words, model_name, weights_read
 
     if isinstance(draft_cfg, dict):
@@ -167,4 +168,5 @@ def draft_label(draft_cfg, spec: str = "", draft=None) -> str:
         from ..costs.model_states import params_text
 
         said = f"{model_name(draft_cfg.model)} ({params_text(draft_cfg.model)})"
-    return said + (f" from {weights_read(spec) or spec}" if spec else "")
+    where = spec and (weights_read(spec) or ("" if spec.startswith("hf:") else spec))  # (hf:DIR: named by it)
+    return said + (f" from {where}" if where else "")

@@ -43,10 +43,11 @@ def _model_words(cfg, model) -> str:
     step read where it starts from a longctx checkpoint); a draft's training (draft.target: GliDe, Clover) names the
     draft (its kind, layers, block and parameters) and the frozen target it learns from (config/model_name.py:
     its name, parameters and the step read), each with its own figures."""
-    if not cfg.draft.target:  # (a fine-tune from a longctx checkpoint: the step read; was "llama runs/a/checkpoints")
-        return model_line(cfg.model, cfg.model.init_from, f"{count_words(count_params(model))} parameters")
-    from ..checkpoint.glide import draft_words
     from ..costs.model_states import params_text
+
+    if not cfg.draft.target:  # (a fine-tune from a longctx checkpoint: the step read; was "llama runs/a/checkpoints")
+        return model_line(cfg.model, cfg.model.init_from, params_text(cfg.model))  # (a MoE model's active too)
+    from ..checkpoint.glide import draft_words
 
     d = cfg.draft
     drafted = f"{count_words(count_params(getattr(model, 'draft', model)))} parameters"
