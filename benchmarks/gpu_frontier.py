@@ -6,7 +6,8 @@ all within one budget (BUDGET_S, default 450 s), in order of what matters most:
    and the planner count per GPU rank (costs/cuda_runtime.py CUDA_RUNTIME_BYTES, "cuda_runtime"): a fresh process
    imports torch and longctx (imports_gib, its RSS then: a rank's "process" part, beside the planner's
    costs/rank_process.py figure, process_constant_gib), makes the CUDA context, runs one cuBLAS matmul and one SDPA
-   call; cuda_process_gib is its peak RSS, cuda_runtime_gib the difference, beside the constant (constant_gib).
+   call; cuda_process_gib is its peak RSS, cuda_runtime_gib the difference, beside the constant (constant_gib);
+   the check is cuda_process_gib against counted_gib (both constants: what a GPU rank is counted besides its run).
    A training rank loads more (NCCL's communicators, the optimizer's kernels): the probe is a floor for it;
 1. smoke: the debug model 30 steps under each memory.model_states tier; the losses against device's
    (the host paths' first run on a GPU);
@@ -123,7 +124,11 @@ def cuda_process() -> dict:
     got = json.loads(done.stdout.splitlines()[-1])
     got["cuda_runtime_gib"] = round(got["cuda_process_gib"] - got["imports_gib"], 3)
     out = {"device": DEVICE, **got, "constant_gib": round(CUDA_RUNTIME_BYTES / 2**30, 3),
-           "process_constant_gib": round(PROCESS_BYTES / 2**30, 3)}
+           "process_constant_gib": round(PROCESS_BYTES / 2**30, 3),
+           # what the planner and the preflight count per GPU rank besides its run's bytes: the process's peak
+           # (cuda_process_gib) is to stay within it (cuda_runtime_gib alone leaves out the CUDA build's larger
+           # imports, which the constant holds: costs/rank_process.py)
+           "counted_gib": round((PROCESS_BYTES + CUDA_RUNTIME_BYTES) / 2**30, 3)}
     print(json.dumps(out), flush=True)
     return out
 

@@ -37,6 +37,6 @@ def test_the_process_figure_covers_what_the_probe_measures_here(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "src"))
     got = frontier.cuda_process()
     assert "rc" not in got, got
-    assert got["process_constant_gib"] == round(PROCESS_BYTES / 2**30, 3)
     # a real interpreter with torch imported is more than 0.1 GiB; the figure must hold what this machine's holds
-    assert 0.1 < got["imports_gib"] <= got["process_constant_gib"], got
+    assert 0.1 < got["imports_gib"] <= PROCESS_BYTES / 2**30, got
+    assert got["cuda_process_gib"] <= got["counted_gib"], got  # (here no CUDA: the imports and two CPU calls)

@@ -18,6 +18,8 @@ once. benchmarks/gpu_frontier.py re-measures it on each lent GPU
 
 from __future__ import annotations
 
+from .rank_process import with_part
+
 GIB = 2**30
 CUDA_RUNTIME_BYTES = int(0.95 * GIB)  # per rank on a GPU (the module's docstring: 1.39 - (0.54 - 0.11) GiB)
 CUDA_RUNTIME = "cuda_runtime"  # its part's name in a rank's host bytes
@@ -25,7 +27,4 @@ CUDA_RUNTIME = "cuda_runtime"  # its part's name in a rank's host bytes
 
 def with_cuda_runtime(host: dict[str, float]) -> dict[str, float]:
     """A rank's host bytes by part and their "total" with the CUDA rank's context and libraries added."""
-    parts = {k: v for k, v in host.items() if k != "total"}
-    parts[CUDA_RUNTIME] = float(CUDA_RUNTIME_BYTES)
-    parts["total"] = sum(parts.values())
-    return parts
+    return with_part(host, CUDA_RUNTIME, CUDA_RUNTIME_BYTES)

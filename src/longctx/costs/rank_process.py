@@ -26,9 +26,15 @@ PROCESS_BYTES = int(0.3 * GIB)  # per rank (the module's docstring: 0.276 GiB me
 PROCESS = "process"  # its part's name in a rank's host bytes
 
 
-def with_process(host: dict[str, float], process: float = PROCESS_BYTES) -> dict[str, float]:
-    """A rank's host bytes by part and their "total" with the rank's interpreter (`process` bytes) added."""
+def with_part(host: dict[str, float], name: str, nbytes: float) -> dict[str, float]:
+    """A rank's host bytes by part and their "total" with part `name` (`nbytes`) added: each figure every rank holds
+    besides its run's bytes (with_process; costs/cuda_runtime.py with_cuda_runtime)."""
     parts = {k: v for k, v in host.items() if k != "total"}
-    parts[PROCESS] = float(process)
+    parts[name] = float(nbytes)
     parts["total"] = sum(parts.values())
     return parts
+
+
+def with_process(host: dict[str, float], process: float = PROCESS_BYTES) -> dict[str, float]:
+    """A rank's host bytes by part and their "total" with the rank's interpreter (`process` bytes) added."""
+    return with_part(host, PROCESS, process)
