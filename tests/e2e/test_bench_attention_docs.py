@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+from test_newcomer import longctx_here
+
 from longctx.parallel.context.volumes import attention_bytes
 
 
@@ -58,5 +60,5 @@ def test_bench_attention_docs_reports_documents_memory_imbalance_and_bytes():
 
 
 def test_bench_attention_docs_refuses_a_bad_document_length():
-    out = _bench("--docs", "none", "--seq-len", "512")
+    out = longctx_here("bench", "attention", "--docs", "none", "--seq-len", "512")  # (refused before work: here)
     assert out.returncode != 0 and "--docs takes a document length" in out.stderr

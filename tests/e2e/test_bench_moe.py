@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+from test_newcomer import longctx_here
+
 
 def test_bench_moe_reports_cost_routing_and_linear_memory():
     out = subprocess.run([sys.executable, "-m", "longctx", "bench", "moe", "--dim=32", "--seq-len=256,512",
@@ -77,6 +79,5 @@ def test_bench_moe_cluster_reports_flexmoe_under_zipf_routing():
 
 
 def test_bench_moe_cluster_rejects_a_bad_cluster():
-    out = subprocess.run([sys.executable, "-m", "longctx", "bench", "moe", "--cluster=2y4"],
-                         capture_output=True, text=True, timeout=120)
+    out = longctx_here("bench", "moe", "--cluster=2y4")  # (refused before any work: in this process)
     assert out.returncode != 0 and "NODESxRANKS" in out.stderr

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from test_newcomer import longctx_here
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -39,11 +41,13 @@ def test_build_then_train_from_the_store(tmp_path):
 
 def test_bad_build_input_is_one_paragraph(tmp_path):
     (tmp_path / "empty").mkdir()
-    r = longctx("data", "build", "--input", str(tmp_path / "empty"), "--seq-len", "64", "--out", str(tmp_path / "s"))
+    # refusals before any work, in this process (test_build_then_train_from_the_store runs both commands)
+    r = longctx_here("data", "build", "--input", str(tmp_path / "empty"), "--seq-len", "64", "--out",
+                     str(tmp_path / "s"))
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "holds no usable file" in " ".join(r.stderr.split())
     assert not (tmp_path / "s" / "manifest.json").exists()
-    r = longctx("train", "--nproc", "1", f"--data.path={tmp_path / 'missing'}")
+    r = longctx_here("train", "--nproc", "1", f"--data.path={tmp_path / 'missing'}")
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "not a longctx data store" in " ".join(r.stderr.split())
 

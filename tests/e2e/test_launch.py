@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+from test_newcomer import longctx_here
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -23,7 +25,7 @@ def test_impossible_layouts_fail_before_launch():
         (["--nproc", "2", "--parallel.dp_shard", "2", "--train.global_batch", "3"], "split evenly into"),
     ]:
         t0 = time.time()
-        r = longctx("train", *args)
+        r = longctx_here("train", *args)  # (refused before launch: in this process, any rank started still seen)
         assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
         assert needle in " ".join(r.stderr.split()), r.stderr
         assert time.time() - t0 < 30
