@@ -53,7 +53,7 @@ def test_each_tasks_part_is_what_it_alone_writes(folder):
     equals that task's own run key for key and number for number; what they share is at the top."""
     both, said = _run(folder, "all.json", "--task", "ppl,passkey,needle", "--depths", "0,1", "--buckets", "4")
     assert "eval: task 2 of 3: passkey (--mode score) at 384, 512 tokens" in said  # (progress names the task)
-    assert said.count("llama weights from") == 1, said  # (the model built once)
+    assert said.count("weights: read from") == 1, said  # (the model built once)
     alone = {"ppl": _eval(folder, "ppl.json", "--task", "ppl", "--buckets", "4"),
              "passkey": _eval(folder, "passkey.json", "--task", "passkey", "--depths", "0,1"),
              "needle": _eval(folder, "needle.json", "--task", "needle", "--depths", "0,1")}

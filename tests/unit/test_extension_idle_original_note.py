@@ -40,7 +40,7 @@ def _setup_line(tmp_path, d, *flags) -> str:
     lines = []
     Trainer(load_config(overrides=RUN + [f"--train.run_dir={tmp_path}/run{len(flags)}", f"--model.init_from=hf:{d}",
                                          *flags]), log=lambda *a, **k: lines.append(" ".join(map(str, a))))
-    return next(line for line in lines if line.startswith("model: llama weights from"))
+    return next(line for line in lines if line.startswith("weights: read from"))
 
 
 def test_a_scaling_over_the_default_original_is_said_to_stretch_nothing(tmp_path, weights_of_64):

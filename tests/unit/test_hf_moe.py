@@ -222,7 +222,7 @@ def test_training_loss_is_transformers_loss(tmp_path, case, router_logits):
     assert (ours.cfg.moe_aux_loss, ours.cfg.moe_aux_loss_scope) == ((0.3 if router_logits else 0.0), "pooled")
     from longctx.config.hf import init_from_notes
 
-    (note,) = init_from_notes(f"hf:{d}")  # what the run's "model: ... weights from" line says about it
+    (note,) = init_from_notes(f"hf:{d}")  # what the run's "weights: read from" line says about it
     assert ("output_router_logits=true, so its load-balancing loss, model.moe.aux_loss 0.3" in note if router_logits
             else "output_router_logits=false, so no load-balancing loss (model.moe.aux_loss 0" in note), note
     ids = tokens(seq=64)

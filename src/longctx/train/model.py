@@ -61,7 +61,7 @@ def build_llama_training(cfg: Config, device: torch.device, rt: Runtime, log=pri
         return model
     path = load_weights(model, source, rt, log)
     changed = init_from_changes(cfg)
-    log(f"model: {cfg.model.family} weights from {path}" +
+    log(f"weights: read from {path}" +
         (f"; changed for this run: {', '.join(changed)}" if changed else "") +
         "".join(f"; {note}" for note in idle_scaling_notes(cfg.model) + init_from_notes(source)))
     return model
