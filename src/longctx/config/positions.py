@@ -187,6 +187,12 @@ def rope_scaling_problems(m: ModelConfig) -> list[str]:
     if m.rope_scaling == "yarn" and not 0 < m.rope_beta_slow < m.rope_beta_fast:
         problems.append(f"yarn rope scaling needs 0 < model.rope_beta_slow ({m.rope_beta_slow}) < "
                         f"model.rope_beta_fast ({m.rope_beta_fast}).")
+    for key in ("rope_mscale", "rope_mscale_all_dim"):  # (YaRN's 0.1 x mscale x ln(factor) + 1: >= 1 for m >= 0)
+        if m.rope_scaling == "yarn" and getattr(m, key) < 0:  # (below, the attention factor divided by 0 or flipped)
+            problems.append(f"model.{key} must be >= 0 (0 = unset; DeepSeek's yarn configs give 0.707 or 1), got "
+                            f"{getattr(m, key)}: YaRN's attention factor takes 0.1 x {key.split('_', 1)[1]} x "
+                            f"ln(model.rope_factor) + 1 of it, which a negative value brings below 1, to 0 (a "
+                            f"division by zero) or below it.")
     if m.rope_scaling == "yarn" and m.rope_attention_factor < 0:  # (on cos and sin: its sign cancels in q.k)
         problems.append(f"model.rope_attention_factor = {m.rope_attention_factor} would scale q.k as "
                         f"{-m.rope_attention_factor} does (it multiplies cos and sin), and config.json refuses it: "

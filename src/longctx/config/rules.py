@@ -214,7 +214,11 @@ def degree_problems(degrees: dict[str, int], window: int) -> list[str]:
                 for k, v in degrees.items() if v == 0 or v < -1]
     inferred = [k for k, v in degrees.items() if v == -1]
     if len(inferred) > 1:
-        problems.append(f"at most one parallel degree may be -1 (inferred), got -1 for {', '.join(inferred)}.")
+        problems.append(f"at most one parallel degree may be -1 (inferred), got -1 for "
+                        f"{' and '.join(f'parallel.{k}' for k in inferred)}"
+                        + (" (parallel.dp_shard is -1 by default)" if "dp_shard" in inferred else "")
+                        + "; give all but one of them a positive degree"
+                        + (", e.g. --parallel.dp_shard 1." if "dp_shard" in inferred else "."))
     ctx = degrees.get("ctx", 1)
     if window < 0 or (window > 0 and ctx > 0 and ctx % window):
         valid = [w for w in range(1, ctx + 1) if ctx % w == 0] if ctx > 0 else []

@@ -18,6 +18,10 @@ def range_problems(cfg: Config) -> list[str]:
     if not 0 <= t.seed < SEED_LIMIT:  # (a negative seed stopped the first step in numpy's default_rng)
         problems.append(f"train.seed must be a whole number from 0 to 2**63 - 1 (the data order's generator takes "
                         f"no negative seed), got {t.seed}; e.g. --train.seed 0.")
+    block = cfg.parallel.zero_pp_block  # (its upper bound, a unit's shard, needs the model: parallel/fsdp/shard.py)
+    if block < 1:  # (the ranks refused it at set-up, after launch and the data store's build)
+        problems.append(f"parallel.zero_pp_block = {block} elements is no int8 block of parallel.zero_pp's qwz / qgz: "
+                        f"use at least 1 (512 is usual).")
     limit = cfg.checkpoint.exit_after_minutes  # (not a finite number: refused where the config is read)
     if limit < 0:
         problems.append(f"checkpoint.exit_after_minutes must be a number of minutes >= 0 (0 = no limit), got {limit}.")
