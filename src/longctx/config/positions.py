@@ -182,6 +182,12 @@ def rope_scaling_problems(m: ModelConfig) -> list[str]:
     problems = []
     if m.rope_scaling != "none" and m.rope_factor <= 0:
         problems.append(f"model.rope_factor must be positive, got {m.rope_factor}.")
+    elif m.rope_scaling != "none" and m.rope_factor < 1:  # (transformers only warns; every formula takes >= 1)
+        problems.append(f"model.rope_factor = {m.rope_factor} is below 1: it is the extended context over the "
+                        f"original (model.rope_original_max_len x factor positions), so {m.rope_scaling} scaling "
+                        f"would shorten the context it is meant to lengthen ({m.rope_scaling} stretches positions "
+                        f"past the trained ones). Give a factor of at least 1 (e.g. 4 for 4x the original length), "
+                        f"or model.rope_scaling=none.")
     if m.rope_scaling in ("llama3", "yarn") and m.rope_original_max_len <= 0:
         problems.append(f"model.rope_original_max_len must be positive, got {m.rope_original_max_len}.")
     if m.rope_scaling == "yarn" and not 0 < m.rope_beta_slow < m.rope_beta_fast:
