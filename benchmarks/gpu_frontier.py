@@ -92,15 +92,17 @@ def train(name: str, args: list[str], limit: float) -> dict:
     return out
 
 
-# (resource.getrusage's ru_maxrss: KiB on Linux)
+# (the peak: memory/rss.py's VmHWM, this process image's own; ru_maxrss is kept across exec on Linux, so a probe
+# forked from a larger process, a test worker's 2.9 GiB, read its parent's size as its own)
 CUDA_PROCESS = """
-import json, resource, sys
+import json, sys
 import torch
 import torch.nn.functional as F
 import longctx.cli  # (a rank's imports: the "process" part, costs/rank_process.py)
+from longctx.memory.rss import peak_rss_bytes
 
 def peak_gib():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return peak_rss_bytes() / 2**30
 
 imported = peak_gib()
 a = torch.randn(1024, 1024, device=sys.argv[1], dtype=torch.bfloat16)  # (the CUDA context)
