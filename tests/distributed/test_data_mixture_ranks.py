@@ -2,13 +2,11 @@
 global batches of the blend straight from the stores, together exactly the batches one process reads, and the
 losses are one process's."""
 
-import random
 
 import pytest
 
+from letter_stores import letter_store
 from longctx.config import load_config
-from longctx.data.builder.options import BuildOptions
-from longctx.data.builder.pipeline import build_store
 from longctx.job.spawn import run_spawned
 
 SEQ = 64
@@ -22,14 +20,7 @@ def stores(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mix_ranks")
     out = []
     for letter, n in (("a", 30), ("b", 10)):
-        src = tmp / f"in-{letter}"
-        src.mkdir()
-        rng = random.Random(letter)
-        for i in range(n):
-            (src / f"{letter}{i:03d}.txt").write_text("".join(rng.choice(letter * 4 + " ") for _ in range(50)))
-        build_store(BuildOptions([str(src)], str(tmp / letter), SEQ, strategy="bfd", dedup="none", workers=1,
-                                 eval_fraction=0.0, progress=False, stats=False), log=lambda *a: None)
-        out.append(str(tmp / letter))
+        out.append(str(letter_store(tmp, letter, n, seq_len=SEQ, chars=50, seed=letter)))
     return ",".join(out)
 
 

@@ -15,16 +15,14 @@ the config unchanged, exactly as the run never stopped.
 Three spawned jobs (world 2, 4, 2: each saved run is resumed by the next); the one-process runs in the test's."""
 
 import json
-import random
 import shutil
 from pathlib import Path
 
 import pytest
 
+from letter_stores import letter_store
 from longctx.checkpoint.manifest import hash_files
 from longctx.config import load_config
-from longctx.data.builder.options import BuildOptions
-from longctx.data.builder.pipeline import build_store
 from longctx.data.loader import PackedSamples
 from longctx.data.samples import SampleOrder
 from longctx.data.store_mix import StoreMix
@@ -158,14 +156,7 @@ def stores(tmp_path_factory) -> list[str]:
     """Two stores of 64-token samples, 30 and 20 documents, of the letters a and b."""
     tmp, out = tmp_path_factory.mktemp("mix_ranks114"), []
     for letter, n in (("a", 30), ("b", 20)):
-        src = tmp / f"in-{letter}"
-        src.mkdir()
-        rng = random.Random(letter)
-        for i in range(n):
-            (src / f"{letter}{i:03d}.txt").write_text("".join(rng.choice(letter * 4 + " ") for _ in range(50)))
-        build_store(BuildOptions([str(src)], str(tmp / letter), 64, strategy="bfd", dedup="none", workers=1,
-                                 eval_fraction=0.0, progress=False, stats=False), log=lambda *a: None)
-        out.append(str(tmp / letter))
+        out.append(str(letter_store(tmp, letter, n, chars=50, seed=letter)))
     return out
 
 

@@ -4,7 +4,6 @@ epochs, splits over data-parallel ranks as one store does, resumes exactly, refu
 (before any work), and trains and evaluates in a Trainer."""
 
 import json
-import random
 import shutil
 import sys
 from pathlib import Path
@@ -16,10 +15,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from test_local_reads import assert_same, runtimes  # noqa: E402
 
+from letter_stores import letter_store  # noqa: E402
 from longctx.config import load_config  # noqa: E402
 from longctx.config.resume import load_run_config  # noqa: E402
-from longctx.data.builder.options import BuildOptions  # noqa: E402
-from longctx.data.builder.pipeline import build_store  # noqa: E402
 from longctx.data.loader import BatchLoader, PackedSamples  # noqa: E402
 from longctx.data.store_mix import StoreMix, blend_schedule, mix_line  # noqa: E402
 from longctx.errors import ConfigError, DataError  # noqa: E402
@@ -39,16 +37,8 @@ def quiet(*_a, **_k):
 
 def build(tmp, letter, n_docs, seq_len=SEQ, eval_fraction=0.0):
     """A store whose every document is made of `letter` (and spaces): each sample says which store it is from."""
-    src = tmp / f"in-{letter}-{seq_len}"
-    src.mkdir(parents=True)
-    rng = random.Random(ord(letter))
-    for i in range(n_docs):
-        text = "".join(rng.choice(letter * 4 + " ") for _ in range(rng.randint(20, 60)))
-        (src / f"{letter}{i:03d}.txt").write_text(text)
-    out = tmp / f"{letter}{'' if seq_len == SEQ else seq_len}"
-    build_store(BuildOptions([str(src)], str(out), seq_len, strategy="bfd", dedup="none", workers=1,
-                             eval_fraction=eval_fraction, progress=False, stats=False), log=quiet)
-    return out
+    return letter_store(tmp, letter, n_docs, seq_len=seq_len, eval_fraction=eval_fraction, chars=(20, 60),
+                        name=f"{letter}{'' if seq_len == SEQ else seq_len}", src_name=f"in-{letter}-{seq_len}")
 
 
 @pytest.fixture(scope="module")

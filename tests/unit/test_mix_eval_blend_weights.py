@@ -2,25 +2,17 @@
 "Mixtures of stores"), also with data.weights = '' (each store weighed by its training samples): weighed by their
 eval splits' sizes instead, stores built with other eval fractions blended otherwise in eval than in training."""
 
-import random
 from pathlib import Path
 
 import numpy as np
 
+from letter_stores import letter_store
 from longctx.config import load_config
-from longctx.data.builder.options import BuildOptions
-from longctx.data.builder.pipeline import build_store
 from longctx.train.setup import build_data
 
 
 def _store(tmp: Path, letter: str, eval_fraction: float) -> Path:
-    src, rng = tmp / f"in-{letter}", random.Random(ord(letter))
-    src.mkdir()
-    for i in range(60):
-        (src / f"{letter}{i:03d}.txt").write_text("".join(rng.choice(letter * 4 + " ") for _ in range(40)) + f" {i}")
-    build_store(BuildOptions([str(src)], str(tmp / letter), 64, strategy="bfd", dedup="none", workers=1,
-                             eval_fraction=eval_fraction, progress=False, stats=False), log=lambda *a, **k: None)
-    return tmp / letter
+    return letter_store(tmp, letter, 60, eval_fraction=eval_fraction, numbered=True)
 
 
 def test_the_eval_blend_has_the_training_weights_when_they_are_the_stores_sizes(tmp_path):

@@ -5,29 +5,21 @@ the stores of weight > 0 count now. And a store without training samples beside 
 given) was refused for "its weight in data.weights": said for that case."""
 
 import json
-import random
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from letter_stores import letter_store
 from longctx.config import load_config
-from longctx.data.builder.options import BuildOptions
-from longctx.data.builder.pipeline import build_store
 from longctx.errors import DataError
 from longctx.train import evaluation
 from longctx.train.setup import build_data, check_mix
 
 
 def _store(tmp: Path, letter: str, n_docs: int, eval_fraction: float) -> Path:
-    src, rng = tmp / f"in-{letter}", random.Random(ord(letter))
-    src.mkdir()
-    for i in range(n_docs):
-        (src / f"{letter}{i:03d}.txt").write_text("".join(rng.choice(letter * 4 + " ") for _ in range(40)) + f" {i}")
-    build_store(BuildOptions([str(src)], str(tmp / letter), 64, strategy="bfd", dedup="none", workers=1,
-                             eval_fraction=eval_fraction, progress=False, stats=False), log=lambda *a, **k: None)
-    return tmp / letter
+    return letter_store(tmp, letter, n_docs, eval_fraction=eval_fraction, numbered=True)
 
 
 def _cfg(*stores, weights="1,0", batch=4):

@@ -17,14 +17,12 @@ its own count, the new weights applying from the resumed position on.
 """
 
 import json
-import random
 
 import pytest
 
+from letter_stores import letter_store
 from longctx.config import load_config
 from longctx.config.resume import load_run_config
-from longctx.data.builder.options import BuildOptions
-from longctx.data.builder.pipeline import build_store
 from longctx.data.loader import BatchLoader, PackedSamples
 from longctx.data.samples import SampleOrder
 from longctx.data.store_mix import StoreMix
@@ -113,14 +111,7 @@ def test_a_resumed_run_with_another_batch_goes_on_in_the_store_of_its_first_stag
 
 
 def _build(tmp, letter: str, n_docs: int):
-    src = tmp / f"in-{letter}"
-    src.mkdir()
-    rng = random.Random(ord(letter))
-    for i in range(n_docs):
-        (src / f"{letter}{i:03d}.txt").write_text("".join(rng.choice(letter * 4 + " ") for _ in range(40)))
-    build_store(BuildOptions([str(src)], str(tmp / letter), 64, strategy="bfd", dedup="none", workers=1,
-                             eval_fraction=0.0, progress=False, stats=False), log=QUIET)
-    return tmp / letter
+    return letter_store(tmp, letter, n_docs)
 
 
 @pytest.fixture(scope="module")
