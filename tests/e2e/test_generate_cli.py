@@ -159,7 +159,7 @@ def test_checkpoint_of_a_longctx_run(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--prompt", ""], "the prompt is empty"),
+    (["--prompt", ""], "the prompt (--prompt) is empty"),
     (["--prompt", "x", "--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--prompt", "x " * 300], "Use a shorter prompt; or extend it with RoPE scaling"),
 ])

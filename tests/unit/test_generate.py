@@ -242,7 +242,7 @@ def test_good_input_is_prepared_without_weights(weightless_hf):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--prompt", ""], "the prompt is empty"),
+    (["--prompt", ""], "the prompt (--prompt) is empty"),
     (["--prompt", "x " * 400], "past the 256 positions the model reaches (trained on 256: its config.json's "
                                "max_position_embeddings). Raising --model.max_seq_len does not teach"),
     (["--prompt", "x", "--top-p", "0"], "--top-p must be in (0, 1]"),

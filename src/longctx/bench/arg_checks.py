@@ -32,6 +32,8 @@ MINIMUM = {
 # per command: comma-separated token counts (each a positive integer)
 LENGTHS = {"generate": ("memory_lengths", "sharded_lengths"), "train": ("seq_len",), "memory": ("seq_len",),
            "moe": ("seq_len", "memory_seq_len")}
+# the lists of LENGTHS that must name a length ('' is none only where a flag's help says so)
+NO_EMPTY = {("train", "seq_len"), ("memory", "seq_len"), ("moe", "seq_len"), ("moe", "memory_seq_len")}
 
 
 def check_bench_args(command: str, args) -> None:
@@ -41,6 +43,12 @@ def check_bench_args(command: str, args) -> None:
                 if getattr(args, name, None) is not None and getattr(args, name) < least]
     for name in LENGTHS.get(command, ()):
         text = str(getattr(args, name, "") or "")
+        if not text.strip() and (command, name) in NO_EMPTY and getattr(args, name, None) is not None \
+                and not getattr(args, "max_seq", False):  # (bench memory --max-seq: '' = no per-length table)
+            # (bench train: a ValueError traceback; bench memory and moe: a run that measured nothing)
+            problems.append(f"--{name.replace('_', '-')} '' names no length: give one or more token counts, e.g. "
+                            f"4096,8192")
+            continue
         bad = [x for x in text.split(",") if not (x.strip().isdigit() and int(x) > 0)] if text.strip() else []
         if bad:
             problems.append(f"--{name.replace('_', '-')} {text!r}: {', '.join(map(repr, bad))} is not a positive "
@@ -100,7 +108,9 @@ def _memory_problems(args) -> list[str]:
     """bench memory's sizes: its policies, lengths under the layout, documents per length, the --max-seq probes."""
     from .memory import seq_lengths
 
-    out = _policy_problems(args.policies) + _offload_without_blocks(args)
+    out = _policy_problems(args.policies) + _offload_without_blocks(args) + _preset_problems(args.preset)
+    if args.probe and not re.fullmatch(r"[^:]+:[1-9]\d*", args.probe):  # (a ValueError traceback on unpacking)
+        out.append(f"--probe {args.probe!r}: write POLICY:SEQ_LEN, e.g. selective:65536 (the probes --max-seq starts)")
     world = args.head * args.ctx
     if args.head >= 1 and args.ctx >= 1 and world > 1:  # (the default's length too: seq_lengths)
         bad = [x for x in seq_lengths(args).split(",") if x.strip().isdigit() and int(x) % (2 * world)]
@@ -288,11 +298,19 @@ def _offload_without_blocks(args) -> list[str]:
             f"--layers"]
 
 
+def _preset_problems(preset: str) -> list[str]:
+    """bench memory's --preset (refused by the model's config in the measurement, as model.preset)."""
+    from ..config.presets import MODEL_PRESETS
+
+    return [] if preset in MODEL_PRESETS else [f"--preset {preset!r}: one of {', '.join(MODEL_PRESETS)}"]
+
+
 def _policy_problems(policies: str) -> list[str]:
     """bench memory's --policies, each a name its _policy reads."""
     from .memory import _policy
 
-    out = []
+    out = [] if policies.strip(", ") else [f"--policies {policies!r} names no policy: give one or more, e.g. "
+                                            f"none,selective"]
     for name in (x.strip() for x in policies.split(",") if x.strip()):
         try:
             _, fraction = _policy(name)

@@ -215,7 +215,8 @@ def load_hardware(spec: str = "h100", overrides: list[str] | None = None, world:
     file, base = None, spec
     if is_hardware_file(spec):
         file = spec
-        data = read_toml(file, "hardware file", "Write a TOML file with a [hardware] table.")
+        data = read_toml(file, "--hardware file", f"Pass a preset ({', '.join(hardware_names())}) or a TOML file "
+                                                     f"with a [hardware] table.")
         outside = [k for k in data if k != "hardware"] if "hardware" in data else []
         if outside:  # read only [hardware]: a field above it (or another table) would be silently ignored
             raise ConfigError(f"hardware file '{file}' has {', '.join(outside)} outside its [hardware] table; move "

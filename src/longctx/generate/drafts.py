@@ -20,6 +20,7 @@ def draft_config(draft: str, checkpoint: str, speculate: int, cfg, spec: str, co
     outside [0, 1) or a negative draft window; a Clover draft under head x ctx ranks or `compile`."""
     from ..checkpoint.glide import glide_manifest, target_differences
     from ..config import load_config
+    from ..config.checkpoint_paths import check_weights_flag
     from ..config.tokenizer import model_tokenizer, recorded_identity
 
     if speculate < 1:
@@ -30,6 +31,7 @@ def draft_config(draft: str, checkpoint: str, speculate: int, cfg, spec: str, co
     if window is not None and window < 0:
         raise ConfigError(f"--draft-window must be >= 0 (the last N prompt tokens of the draft's own pass; 0 = all), "
                           f"got {window}.")
+    check_weights_flag(draft, "--draft")  # (in the flag's words: a missing one was `model.init_from = ...`'s)
     glide = glide_manifest(draft)
     if glide is not None:
         _check_clover_layout(glide, draft, cfg, compile)

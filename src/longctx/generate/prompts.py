@@ -297,8 +297,9 @@ def encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m, reach) ->
     limits, notes, past = [], [], []
     for i, p in enumerate(prompts):
         which = prompt_name(prompts, i)
-        if not p["text"]:
-            raise ConfigError(f"{which} is empty; give it some text to continue.")
+        if not p["text"]:  # (--prompt '' said "the prompt is empty", of no flag)
+            given = " (--prompt)" if len(prompts) == 1 and p.get("line") is None else ""
+            raise ConfigError(f"{which}{given} is empty; give it some text to continue.")
         bad = not_text(p["text"])
         if bad:
             raise ConfigError(f"{which} {bad}; give it as UTF-8 text.")

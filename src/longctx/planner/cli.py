@@ -26,7 +26,7 @@ from .arguments import DEFAULT_OUT, add_arguments, expert_skew, int_list, offloa
 def build_request(args, overrides):
     from ..config import load_config, parse_overrides
     from ..costs.hardware import calibrate, load_hardware
-    from .request import Request, parse_tokens
+    from .request import Request
 
     model = f"--model.init_from={args.model}" if args.model.startswith("hf:") else f"--model.preset={args.model}"
     overrides, replicas = _expert_replicas(args, overrides)
@@ -35,12 +35,11 @@ def build_request(args, overrides):
     if named:  # (the later one won: `--model llama3-8b --model.preset=debug` planned the debug model)
         raise ConfigError(f"longctx plan takes the model from --model ({args.model}); drop {named[0].split('=')[0]} "
                           f"(--model names a preset, or hf:DIR).")
+    _check_model_flag(args.model)
     base = _with_store(getattr(args, "store", None), model, overrides, load_config(None, [model, *overrides]))
     if args.gpus is None:
         raise ConfigError("longctx plan needs --gpus N (the number of GPUs, i.e. ranks), e.g. --gpus 64.")
-    if args.seq_len is None:
-        raise ConfigError("longctx plan needs --seq-len TOKENS, e.g. --seq-len 1M or --seq-len 131072.")
-    seq_len = parse_tokens(args.seq_len)
+    seq_len = _seq_len(args.seq_len)
     if args.calibrate and args.hardware:
         raise ConfigError("give --calibrate (plan for this machine, measured) or --hardware, not both.")
     _check_outputs(args)
@@ -80,6 +79,27 @@ def build_request(args, overrides):
                   allow=tuple(x.strip() for x in args.allow.split(",") if x.strip()),
                   co2_local_steps=int_list(args.co2_local_steps, "--co2-local-steps", 1), settings=settings)
     return req, base
+
+
+def _seq_len(given: str | None) -> int:
+    """--seq-len's tokens ("1M", "131072"), refused with the flag named when missing or not a token count."""
+    from .request import parse_tokens
+
+    if given is None:
+        raise ConfigError("longctx plan needs --seq-len TOKENS, e.g. --seq-len 1M or --seq-len 131072.")
+    try:
+        return parse_tokens(given)
+    except ConfigError as e:  # (the flag named: "'4k8' is not a token count" said of which)
+        raise ConfigError(f"--seq-len {e}") from None
+
+
+def _check_model_flag(model: str) -> None:
+    """--model is a preset or hf:DIR (refused as model.preset, a key this command does not take, by the config)."""
+    from ..config.presets import MODEL_PRESETS
+
+    if not model.startswith("hf:") and model not in MODEL_PRESETS:
+        raise ConfigError(f"--model {model!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor hf:DIR; pass one "
+                          f"of those.")
 
 
 def _expert_replicas(args, overrides: list[str]) -> tuple[list[str], tuple[int, ...]]:

@@ -125,12 +125,15 @@ class Request:
             self.global_batch = self.gpus
         if self.global_batch < 1:
             raise ConfigError(f"--global-batch must be at least 1 sequence, got {self.global_batch}.")
+        if self.offload_skip_last < 0:  # (-1 was taken: layers + 1 blocks counted as offloaded, one past the model)
+            raise ConfigError(f"--offload-skip-last must be >= 0 (0 = every block may be offloaded), got "
+                              f"{self.offload_skip_last}.")
         if not 0 < self.doc_work <= 1:
             raise ConfigError(f"doc_work (the documents' share of causal attention work) must be in (0, 1], "
                               f"got {self.doc_work}.")
         bad = [t for t in self.model_states if t not in TIERS] or ([] if self.model_states else ["(none)"])
         if bad:
-            raise ConfigError(f"unknown model-state tier(s) {bad}; choose among {', '.join(TIERS)}.")
+            raise ConfigError(f"--model-states: unknown model-state tier(s) {bad}; choose among {', '.join(TIERS)}.")
         self.model_states = tuple(t for t in TIERS if t in self.model_states)  # tried cheapest first
         check_hardware(self.hardware)
         check_levels(self.hardware, self.gpus_per_node)
@@ -144,8 +147,8 @@ class Request:
                               f"{self.settings.co2_overlap_steps}, or a smaller train.co2_overlap_steps.")
         bad = [c for c in self.recomputes if c not in _POLICY_ORDER]
         if bad or not self.recomputes:  # (none: "no plan fits" blamed the micro-batches)
-            raise ConfigError(f"{f'unknown recompute policy {bad}' if bad else '--recompute names no policy'}; "
-                              f"choose among none, full, selective.")
+            said = f"--recompute: unknown recompute policy {bad}" if bad else "--recompute names no policy"
+            raise ConfigError(f"{said}; choose among none, full, selective.")
         if not self.expert_skew >= 1:  # (NaN too: it reached the search as a row count)
             raise ConfigError(f"the expert skew is the most loaded expert rank's routed rows over an even share, "
                               f"at least 1; got {self.expert_skew}.")

@@ -97,6 +97,7 @@ def check_options(opts: BuildOptions) -> None:
                         "having no text) and no .parquet or .arrow column does; pass the field holding the "
                         "documents' text (default: text).")
     problems += _instruction_problems(opts)
+    problems += _tokenizer_problems(opts.tokenizer) + _embed_model_problems(opts.embed_model)
     if opts.workers < 1:
         problems.append(f"--workers must be >= 1, got {opts.workers}.")
     if not 0 <= opts.eval_fraction < 1:
@@ -134,6 +135,34 @@ def check_options(opts: BuildOptions) -> None:
                             "known once every shard is scanned.")
     if problems:
         raise DataError(" ".join(problems))
+
+
+def _tokenizer_problems(tokenizer: str) -> list[str]:
+    """--tokenizer, in the flag's words (the tokenizer's own error names train's key, data.tokenizer)."""
+    from pathlib import Path
+
+    path = Path(tokenizer)
+    if tokenizer == "byte" or path.is_file() or (path / "tokenizer.json").is_file():
+        return []
+    return [f"--tokenizer {tokenizer}: no such tokenizer.json (nor a directory holding one); pass --tokenizer byte or "
+            f"the path of a tokenizer.json."]
+
+
+def _embed_model_problems(model: str) -> list[str]:
+    """--embed-model's directory and package, checked before the scan: the embedding stage, which found both
+    missing, comes after the scan and the dedup (minutes of a large build)."""
+    import importlib.util
+    from pathlib import Path
+
+    if not model:
+        return []
+    if not Path(model).is_dir():
+        return [f"--embed-model {model} is not a directory: pass the directory of a downloaded sentence-transformers "
+                f"model, or leave --embed-model out to use the built-in TF-IDF embeddings."]
+    if importlib.util.find_spec("sentence_transformers") is None:
+        return [f"--embed-model {model} needs the sentence-transformers package, which is not installed; pip install "
+                f"sentence-transformers, or leave --embed-model out to use the built-in TF-IDF embeddings."]
+    return []
 
 
 def _instruction_problems(opts: BuildOptions) -> list[str]:
