@@ -13,7 +13,7 @@ a file.
 Wrong on HEAD (18 of 262 cases): raw tracebacks from bench train --seq-len '' (ValueError: invalid literal for
 int()) and bench memory --probe bogus (ValueError on unpacking); taken and then used wrongly: plan
 --offload-skip-last -1, bench memory --seq-len '' (exit 0 with no measurement), --policies '' and --preset bogus
-(refused only inside the measurement, as model.preset), bench moe --seq-len '' / --memory-seq-len '' (timed or
+(refused only inside the measurement, as model.preset), bench moe --seq-len '' with --memory-seq-len '' (timed and
 measured nothing), data build --embed-model with no such directory (found after the scan and dedup, as a missing
 sentence-transformers package); refused without naming the flag: plan --model, --hardware, --seq-len,
 --recompute and --model-states (model.preset = ..., 'hardware file', 'unknown recompute policy'), data build
@@ -127,6 +127,8 @@ ALLOWED = {
     ("bench moe", "--expert-dim", "0"): "0 = --dim",
     ("bench moe", "--seed", "0"): SEED,
     ("bench moe", "--seed", "-1"): "torch's generators take negative seeds",
+    ("bench moe", "--seq-len", ""): "the saved bytes only (--memory-seq-len); both '' are refused",
+    ("bench moe", "--memory-seq-len", ""): "timed only (docs/benchmarks.md's dispatch runs); both '' are refused",
     ("bench generate", "--seed", "0"): SEED,
     ("bench generate", "--seed", "-1"): "torch's generators take negative seeds",
     ("bench generate", "--memory-lengths", ""): "'' = none (its help)",

@@ -32,8 +32,9 @@ MINIMUM = {
 # per command: comma-separated token counts (each a positive integer)
 LENGTHS = {"generate": ("memory_lengths", "sharded_lengths"), "train": ("seq_len",), "memory": ("seq_len",),
            "moe": ("seq_len", "memory_seq_len")}
-# the lists of LENGTHS that must name a length ('' is none only where a flag's help says so)
-NO_EMPTY = {("train", "seq_len"), ("memory", "seq_len"), ("moe", "seq_len"), ("moe", "memory_seq_len")}
+# the lists of LENGTHS that must name a length ('' is none only where a flag's help says so; bench moe's two each
+# skip their part, refused together: _moe_lengths_problems)
+NO_EMPTY = {("train", "seq_len"), ("memory", "seq_len")}
 
 
 def check_bench_args(command: str, args) -> None:
@@ -216,6 +217,7 @@ def _moe_problems(args) -> list[str]:
            if r and r not in ("uniform", "skewed")]
     if not getattr(args, "cluster", "") and not any(r for r in args.routing.split(",")):  # (was rc 0, no rows)
         out.append(f"--routing {args.routing!r} names no routing: give uniform, skewed or both (uniform,skewed)")
+    out += _moe_lengths_problems(args)
     if not getattr(args, "cluster", "") and args.device == "cuda":  # (else torch's assertion from inside the run)
         out += _device_problems(args.device)
     if args.compile and (args.device != "cuda" or getattr(args, "cluster", "")):  # (the CPU runs ignored it)
@@ -296,6 +298,20 @@ def _offload_without_blocks(args) -> list[str]:
     return [f"--policies {', '.join(offloading)} would offload nothing: --skip-last {args.skip_last} keeps the last "
             f"{args.skip_last} blocks on the device, and {layers} are built; give --skip-last below {layers} or more "
             f"--layers"]
+
+
+def _moe_lengths_problems(args) -> list[str]:
+    """bench moe's lengths: '' skips a part (--memory-seq-len '' times only, docs/benchmarks.md), but a run whose
+    every list it reads is empty (--seq-len, and on the CPU --memory-seq-len; --cluster reads neither) measured
+    nothing and exited 0."""
+    if getattr(args, "cluster", ""):
+        return []
+    read = ["seq_len"] + (["memory_seq_len"] if args.device != "cuda" else [])
+    if any(str(getattr(args, name) or "").strip() for name in read):
+        return []
+    given = " and ".join(f"--{name.replace('_', '-')} ''" for name in read)
+    return [f"{given} name{'s' if len(read) == 1 else ''} no length, so nothing is measured: give one or more "
+            f"token counts, e.g. --seq-len 4096"]
 
 
 def _preset_problems(preset: str) -> list[str]:

@@ -165,33 +165,38 @@ class StoreMix(SampleSet):
         """Each store's samples given before blend position k (k at least the schedule's start)."""
         r = k - self._first
         done, counts = self._counted
-        if r < done:  # (a rollback's position: counted again from the start)
-            done, counts = 0, np.zeros(len(self.stores), dtype=np.int64)
         self._extend(r)
-        counts = counts + np.bincount(self._choice[done:r], minlength=len(self.stores))
+        if r < done:  # (a rollback's position: the positions rolled back taken off, not counted again from 0)
+            counts = counts - np.bincount(self._choice[r:done], minlength=len(self.stores))
+        else:
+            counts = counts + np.bincount(self._choice[done:r], minlength=len(self.stores))
         self._counted = (r, counts)
         return [int(a + b) for a, b in zip(self._start, counts)]
 
     def blend_position(self, k: int) -> dict:
         """What a data position at blend position k records of the mix: where this schedule started (`from`, each
-        store's count there) and each store's count at k (`given`), by the store's identity."""
+        store's count there) and each store's count at k (`given`), by the store's identity, and the stores' names in
+        that order (`names`: a store rebuilt in place, under another identity, goes on from its count)."""
         ids = [store.identity["identity"] for store in self.stores]
         return {"from": self._first, "start": [list(p) for p in zip(ids, self._start)],
-                "given": [list(p) for p in zip(ids, self._given(k))]}
+                "given": [list(p) for p in zip(ids, self._given(k))], "names": list(self.names)}
 
     def continue_from(self, cursor: int, record: dict, same: bool) -> list[str]:
         """Go on from a data position's `record` (blend_position) at blend position `cursor`: on the same mix, the
         schedule it was in; on an edited one, a schedule starting at `cursor` under this mix's weights, each store
-        from its count then (0 for one the position does not know). Returns how far each store had gone (the
-        stores' names with their counts), for the resume's note."""
+        from its count then (a store rebuilt, of another identity, from the count of the store of its name it
+        replaces; 0 for one the position does not know). Returns how far each store had gone (the stores' names with
+        their counts), for the resume's note."""
         counts = dict((ident, int(n)) for ident, n in record["start" if same else "given"])
         ids = [store.identity["identity"] for store in self.stores]
-        first, start = int(record["from"]) if same else int(cursor), [counts.get(ident, 0) for ident in ids]
+        rebuilt = {} if same else _rebuilt_counts(record, ids, self.names)
+        first = int(record["from"]) if same else int(cursor)
+        start = [counts.get(ident, rebuilt.get(name, 0)) for ident, name in zip(ids, self.names)]
         if (first, start) != (self._first, self._start):  # (else the schedule known so far stands: a rollback's)
             self._first, self._start = first, start
             self._choice, self._ordinal = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
             self._counts, self._counted = [0] * len(self.stores), (0, np.zeros(len(self.stores), dtype=np.int64))
-        return [f"{name} at sample {n:,}" + ("" if ident in counts else " (new)")
+        return [f"{name} at sample {n:,}" + ("" if ident in counts else " (rebuilt)" if name in rebuilt else " (new)")
                 for name, n, ident in zip(self.names, self._start, ids)]
 
     def _by_store(self, indices) -> list[tuple[int, np.ndarray, list[int]]]:
@@ -274,6 +279,13 @@ def _rows_in_order(n: int, parts: list[tuple[np.ndarray, object]]):
     for rows, block in parts:
         out[rows] = block
     return out
+
+
+def _rebuilt_counts(record: dict, ids: list[str], names: list[str]) -> dict[str, int]:
+    """name -> count of the stores a position records (blend_position) that the mix now holds rebuilt: of the same
+    name, under an identity the mix no longer has (a position saved before names were recorded: none)."""
+    saved = record.get("names") or []
+    return {name: int(n) for name, (ident, n) in zip(saved, record["given"]) if name in names and ident not in ids}
 
 
 def mix_identity(stores: list[PackedSamples], names: list[str], weights: np.ndarray) -> dict:
