@@ -360,10 +360,23 @@ def _add_bench(bench) -> None:
         p.set_defaults(func=_cmd_bench)
 
 
+def _check_environment() -> None:
+    """The LONGCTX_ variables, each parsed by its reader's function (docs/running.md, "Environment variables"):
+    a bad value refused here, before the command's work, not where it is read (a heartbeat, a decode, a save)."""
+    from . import cache_dir, env_vars, faults, progress
+
+    env_vars.check_environment()
+    progress.interval_s()
+    cache_dir.cache_root()
+    faults.check()
+
+
 def main(argv=None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
     try:
         threads.configure(given)  # before anything loads torch: OpenMP reads its settings once
+        if not {"-h", "--help"} & set(given):  # (help reads none of them: it is how to learn what they take)
+            _check_environment()  # longctx's own variables, also those read lazily: refused before any work
     except UserError as e:
         print(f"longctx: error: {e}", file=sys.stderr)
         return e.exit_code

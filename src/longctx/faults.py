@@ -15,6 +15,7 @@ checkpoint/manager.py.
 from __future__ import annotations
 
 import os
+import re
 import time
 
 from .errors import ConfigError
@@ -22,6 +23,7 @@ from .errors import ConfigError
 ENV = "LONGCTX_FAULT"
 KINDS = ("nonfinite", "spike", "hang", "enospc")
 SPIKE_MULTIPLIER = 1000.0
+_DIGITS = re.compile("[0-9]+")
 
 
 def _items() -> list[tuple[str, str]]:
@@ -32,12 +34,20 @@ def _items() -> list[tuple[str, str]]:
         name, _, where = item.partition("@")
         rank, _, step = where.partition(":") if name == "hang" else ("", "", where)
         # (steps and saves count from 1: a fault @0 would be accepted and never fire)
-        if name not in KINDS or not step.isdigit() or not int(step) or (name == "hang" and not rank.isdigit()):
+        # ([0-9]+, not isdigit: '²' is a digit to isdigit and int()'s raw ValueError)
+        if (name not in KINDS or not _DIGITS.fullmatch(step) or not int(step)
+                or (name == "hang" and not _DIGITS.fullmatch(rank))):
             raise ConfigError(f"{ENV}={os.environ[ENV]!r}: '{item}' is not a fault this version injects; write "
                               f"KIND@STEP with KIND one of nonfinite, spike, enospc (the save's number for enospc), "
                               f"or hang@RANK:STEP, STEP counted from 1 (a testing aid; unset it to train).")
         out.append((name, where))
     return out
+
+
+def check() -> None:
+    """LONGCTX_FAULT parsed, its faults refused as `planned` would refuse them (cli.py's _check_environment: before
+    any command's work, not at the Trainer's set-up or the first save)."""
+    _items()
 
 
 def planned(kind: str, rank: int = 0, world: int | None = None) -> set[int]:

@@ -27,6 +27,7 @@ thread gets its turn while the main thread is in a torch or numpy op or a wait (
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import threading
@@ -34,6 +35,8 @@ import time
 from collections.abc import Iterator
 
 from tqdm import tqdm
+
+from .errors import ConfigError
 
 INTERVAL_ENV = "LONGCTX_PROGRESS_S"
 DEFAULT_INTERVAL_S = 20.0
@@ -63,12 +66,19 @@ def progress_bar(total: int, desc: str, unit: str, enabled: bool = True, initial
 
 def interval_s() -> float:
     """Seconds of silence before a heartbeat line (LONGCTX_PROGRESS_S; 0: none)."""
-    text = os.environ.get(INTERVAL_ENV, "")
+    text = os.environ.get(INTERVAL_ENV, "").strip()
+    if not text:
+        return DEFAULT_INTERVAL_S
     try:
-        value = float(text) if text else DEFAULT_INTERVAL_S
+        value = float(text)
     except ValueError:
-        value = DEFAULT_INTERVAL_S
-    return max(value, 0.0)
+        value = math.nan
+    # (refused, also at the command's start: 'abc' was read as 20 s, '-1' and 'nan' as none, 'inf' as never)
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{INTERVAL_ENV}={os.environ[INTERVAL_ENV]!r}: it takes the seconds of quiet before a "
+                          f"progress line, a number >= 0 ({DEFAULT_INTERVAL_S:g} by default; 0: no such lines). Set "
+                          f"it so, or unset it.")
+    return value
 
 
 def duration(seconds: float) -> str:

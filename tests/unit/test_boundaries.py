@@ -51,7 +51,7 @@ CONFIG_ALLOWED = ("longctx.errors", "longctx.config")
 # docs/architecture.md's floors, lowest first: the top-level modules and packages of each
 FLOORS = [
     {"longctx", "errors"},
-    {"progress", "cache_dir", "threads", "faults", "durable", "strict_json"},
+    {"progress", "cache_dir", "threads", "faults", "durable", "strict_json", "env_vars"},
     {"config"},
     {"job"},
     {"ops"},

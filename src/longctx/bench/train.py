@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -36,8 +37,15 @@ def threads_per_rank(nproc: int) -> int:
     """Each run's CPU threads per process: the user's OMP_NUM_THREADS, else its share of the cores (the
     single process all of them). Not left to the run: one process alone takes the cores idle as it starts
     (threads.fit_to_idle_cores), so beside another load its rate, and every ratio to it, moved unsaid."""
-    given = os.environ.get(threads.THREADS_ENV, "")
-    return int(given) if given.isdigit() and int(given) > 0 else max(1, threads.usable_cores() // nproc)
+    given = os.environ.get(threads.THREADS_ENV, "").strip()
+    if not given:
+        return max(1, threads.usable_cores() // nproc)
+    # ('abc', '0' or '-1' ran each case on its share without a word; '²', a digit to isdigit, was int()'s ValueError)
+    if not re.fullmatch(r"[1-9][0-9]*", given):
+        raise ConfigError(f"{threads.THREADS_ENV}={os.environ[threads.THREADS_ENV]!r}: bench train runs each case's "
+                          f"processes with that many CPU threads each, a positive integer; set one, or unset it for "
+                          f"each process's share of the cores.")
+    return int(given)
 
 
 def run_one(preset: str, seq: int, layout: str, steps: int, global_batch: int) -> dict:
@@ -86,6 +94,7 @@ def main(args) -> int:
     if args.steps < 2:  # the first step is the warm-up: with one, the figures would be the warm-up's
         raise ConfigError(f"--steps {args.steps} leaves no timed step after the warm-up; "
                           f"give --steps 2 or more (3 or more for a mean).")
+    threads_per_rank(1)  # (OMP_NUM_THREADS checked before the first case)
     rows = []
     with phase("bench train"):  # each case a progress phase: one that takes long is said while it runs
         for preset in args.presets.split(","):

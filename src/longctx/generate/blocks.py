@@ -35,12 +35,12 @@ capture fail on some setup)."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import weakref
 from collections import OrderedDict
 
 import torch
 
+from .. import env_vars
 from ..models.static_decode import CompiledStep, static_hidden_states
 from .contracts import Cache, Round
 from .sampling import Processors, Sampling, greedy_choice, inverse_cdf, process
@@ -221,7 +221,8 @@ class BlockGraph:
 def capture_for(device: torch.device):
     """How a BlockGraph on `device` captures its steps: on a GPU as a CUDA graph (`_cuda_graph`; unless
     LONGCTX_DECODE_GRAPHS=0), elsewhere not at all (None: the steps run each time)."""
-    if torch.device(device).type != "cuda" or os.environ.get("LONGCTX_DECODE_GRAPHS", "1") == "0":
+    graphs = env_vars.switch(env_vars.DECODE_GRAPHS_ENV)  # (read on any device: 1 or 0, as on a GPU)
+    if torch.device(device).type != "cuda" or not graphs:
         return None
     return _cuda_graph
 

@@ -32,7 +32,6 @@ per-step cost). transformers' static cache and vLLM keep theirs across requests;
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -41,6 +40,7 @@ from contextlib import contextmanager
 
 import torch
 
+from .. import env_vars
 from ..models.kv_cache import KVCache
 
 MOST = 4  # caches kept per model: a few shapes (batch sizes, length ranges) in turn
@@ -58,7 +58,7 @@ def capacity(max_len: int) -> int:
 
 
 def reuse_enabled() -> bool:
-    return os.environ.get("LONGCTX_REUSE_CACHES", "1") != "0"
+    return env_vars.switch(env_vars.REUSE_CACHES_ENV)  # (1 or 0: 'false' read as on)
 
 
 def weights_key(model) -> tuple:

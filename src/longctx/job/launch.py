@@ -18,6 +18,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from ..env_vars import ERROR_DIR_ENV  # (set by job/relaunch.py in the ranks it starts: errors go there)
 from ..errors import ConfigError, UserError
 from . import watchdog
 
@@ -121,9 +122,6 @@ def _refuse_half_a_launch() -> None:
         f"a whole job of its own, as would each of its peers. Set {missing} in each process (with MASTER_ADDR and "
         f"MASTER_PORT), start the ranks with torchrun, or unset {name} to run one job here (`--nproc N` starts N "
         f"local ranks).")
-
-
-ERROR_DIR_ENV = "LONGCTX_ERROR_DIR"  # (set by job/relaunch.py in the ranks it starts: their errors go there)
 
 
 def launched_by_us() -> bool:

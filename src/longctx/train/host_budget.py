@@ -30,6 +30,7 @@ import os
 import torch
 from torch import nn
 
+from .. import env_vars
 from ..config import Config
 from ..costs.cuda_runtime import CUDA_RUNTIME, CUDA_RUNTIME_BYTES, with_cuda_runtime
 from ..costs.host_bytes import (
@@ -52,7 +53,7 @@ from ..models.glide import GlideDraft
 from ..ops.pinned import pinned_bytes, pins, planned_pinned_bytes
 from .stages import stages_of
 
-BUDGET_ENV = "LONGCTX_HOST_MEMORY_BYTES"
+BUDGET_ENV = env_vars.HOST_MEMORY_ENV
 AUTO_SHARE = 0.8  # memory/auto.py: offload_fraction auto keeps within 0.8 x host memory per rank
 CPU_DEVICE = "device (CPU: host memory)"
 GIB = 2**30
@@ -81,17 +82,11 @@ PER_PROCESS = (PROCESS, CUDA_RUNTIME)  # parts whose advice is already fewer ran
 
 def host_budget() -> tuple[float, str]:
     """(bytes of host memory this node's ranks may use, where the figure comes from)."""
-    text = os.environ.get(BUDGET_ENV, "").strip()
-    if not text:
+    value = env_vars.host_memory_bytes()  # (a number of bytes >= 0, or None: env_vars.py)
+    if value is None:
         free, source = host_memory_free()
         return float(free), source
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{BUDGET_ENV} must be a number of bytes (e.g. 8e9), got {text!r}.")
-    return value, f"the budget {BUDGET_ENV}={text}"
+    return value, f"the budget {BUDGET_ENV}={os.environ[BUDGET_ENV].strip()}"
 
 
 def run_shape(cfg: Config, dims) -> MeshShape:

@@ -34,6 +34,7 @@ from ..data.synthetic import check_room
 from ..data.tokenizer import load_tokenizer
 from ..durable import file_in_the_way
 from ..errors import ConfigError, DataError
+from ..faults import planned
 from ..job.checks import check_layout, ranks_per_node
 from ..job.devices import resolve_device, resolve_dtype
 from ..models.compile import check_compiler
@@ -56,6 +57,7 @@ def preflight(cfg: Config, nproc: int, log=print) -> None:
     if cfg.train.compile:  # (no C++ compiler / Triton: one line naming the setting, not inductor's in the first step)
         check_compiler(device_type)
     dims = check_layout(cfg, nproc)
+    planned("hang", 0, dims.world_size)  # (LONGCTX_FAULT's hang of a rank the job lacks: refused before its start)
     clover = clover_ranks_problem(cfg, dims.world_size)  # (data ranks: refused here, before the data store)
     if clover:
         raise ConfigError(clover)
