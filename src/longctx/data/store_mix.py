@@ -90,13 +90,10 @@ class StoreMix(SampleSet):
         self.weights = raw / raw.sum()
         self.seq_len, self.doc_mask = stores[0].seq_len, stores[0].doc_mask
         self.num_samples = int(sizes.sum())
-        self._choice = np.zeros(0, dtype=np.int64)  # the schedule, extended as far as it is read
-        self._ordinal = np.zeros(0, dtype=np.int64)  # each position's count of earlier ones of its store
-        self._counts = [0] * len(stores)
         # the schedule runs from blend position `_first` (0, or where a resume on an edited mix began), each store
-        # numbering its samples on from `_start[s]` (what it had given before)
+        # numbering its samples on from `_start[s]` (what it had given before); positions are counted from `_first`
         self._first, self._start = 0, [0] * len(stores)
-        self._counted = (0, np.zeros(len(stores), dtype=np.int64))  # (positions, each store's count among them)
+        self._known_from(0, [0] * len(stores))
         self._perms: dict[tuple[int, int], np.ndarray] = {}
         self.identity = mix_identity(stores, self.names, self.weights)
 
@@ -128,13 +125,27 @@ class StoreMix(SampleSet):
     def bytes_read(self) -> int:
         return sum(s.bytes_read for s in self.stores)
 
+    def _known_from(self, origin: int, counts: list[int]) -> None:
+        """Forget the schedule known so far: it is known from position `origin` (counted from `_first`) on, where
+        each store had given `counts` (counted from `_first`). The chairman assignment at a position depends only on
+        the position and the counts there, so a resume at position r with the counts its data position recorded
+        goes on with the schedule the run had, without computing the r positions before it."""
+        self._origin = origin
+        self._choice = np.zeros(0, dtype=np.int64)  # the schedule from `_origin` on, extended as far as it is read
+        self._ordinal = np.zeros(0, dtype=np.int64)  # each position's count of earlier ones of its store
+        self._counts = list(counts)  # each store's count at the end of `_choice`
+        self._counted = (origin, np.asarray(counts, dtype=np.int64))  # (a position, each store's count before it)
+
     def _extend(self, upto: int) -> None:
         """The schedule known through position upto - 1 (extended by doubling: a resume far into a run
-        computes it once)."""
-        have = len(self._choice)
+        computes it once); from position 0 again where upto falls before what is known (a rollback past a
+        resume)."""
+        if upto <= self._origin and self._origin:
+            self._known_from(0, [0] * len(self.stores))
+        have = self._origin + len(self._choice)
         if upto <= have:
             return
-        n = max(upto, 2 * have, 1024) - have
+        n = max(upto - have, len(self._choice), 1024)
         before = list(self._counts)
         choice = blend_schedule(self.weights, self._counts, have, n)
         ordinal = np.empty(n, dtype=np.int64)
@@ -157,19 +168,19 @@ class StoreMix(SampleSet):
         if r < 0:
             raise IndexError(f"blend position {k} < {self._first}, where this run's schedule of the mix starts")
         self._extend(r + 1)
-        s = int(self._choice[r])
-        epoch, pos = divmod(self._start[s] + int(self._ordinal[r]), len(self.stores[s]))
+        s = int(self._choice[r - self._origin])
+        epoch, pos = divmod(self._start[s] + int(self._ordinal[r - self._origin]), len(self.stores[s]))
         return s, int(self._permutation(s, epoch)[pos])
 
     def _given(self, k: int) -> list[int]:
         """Each store's samples given before blend position k (k at least the schedule's start)."""
         r = k - self._first
-        done, counts = self._counted
-        self._extend(r)
+        self._extend(r + 1)  # (the position k too: so that r is never before the known schedule's origin)
+        done, counts, o = *self._counted, self._origin
         if r < done:  # (a rollback's position: the positions rolled back taken off, not counted again from 0)
-            counts = counts - np.bincount(self._choice[r:done], minlength=len(self.stores))
+            counts = counts - np.bincount(self._choice[r - o:done - o], minlength=len(self.stores))
         else:
-            counts = counts + np.bincount(self._choice[done:r], minlength=len(self.stores))
+            counts = counts + np.bincount(self._choice[done - o:r - o], minlength=len(self.stores))
         self._counted = (r, counts)
         return [int(a + b) for a, b in zip(self._start, counts)]
 
@@ -192,10 +203,14 @@ class StoreMix(SampleSet):
         rebuilt = {} if same else _rebuilt_counts(record, ids, self.names)
         first = int(record["from"]) if same else int(cursor)
         start = [counts.get(ident, rebuilt.get(name, 0)) for ident, name in zip(ids, self.names)]
-        if (first, start) != (self._first, self._start):  # (else the schedule known so far stands: a rollback's)
+        # (else the schedule known so far stands: a rollback's, a read-ahead dropped)
+        if (first, start) != (self._first, self._start) or not len(self._choice):
             self._first, self._start = first, start
-            self._choice, self._ordinal = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-            self._counts, self._counted = [0] * len(self.stores), (0, np.zeros(len(self.stores), dtype=np.int64))
+            given = dict((ident, int(n)) for ident, n in record["given"]) if same else {}
+            if same and cursor >= first and set(ids) <= set(given):  # (the counts at the cursor: go on from there)
+                self._known_from(cursor - first, [given[i] - n for i, n in zip(ids, start)])
+            else:
+                self._known_from(0, [0] * len(self.stores))
         return [f"{name} at sample {n:,}" + ("" if ident in counts else " (rebuilt)" if name in rebuilt else " (new)")
                 for name, n, ident in zip(self.names, self._start, ids)]
 
