@@ -61,3 +61,26 @@ def test_a_rollback_to_before_the_resume_draws_what_the_run_drew(stores):
     counts = np.bincount(np.asarray([s for s, _ in _drawn(_mix(stores), 0, earlier)]), minlength=3)
     assert resumed.samples.blend_position(earlier)["given"] == [
         [store.identity["identity"], int(n)] for store, n in zip(resumed.samples.stores, counts)]
+
+
+def test_a_rollback_position_before_the_resume_goes_on_from_its_own_counts(stores, monkeypatch):
+    """A rollback (or a resume) to a position before where this process's schedule starts goes on from the counts
+    that position recorded, not from blend position 0 again."""
+    import longctx.data.store_mix as store_mix
+
+    through = _mix(stores)
+    positions = {}
+    for cursor in (CURSOR - 400, CURSOR):
+        saved = BatchLoader(through, 4, seed=0)
+        saved.order.load_state_dict({"cursor": cursor})
+        positions[cursor] = saved.state_dict()
+    resumed = BatchLoader(_mix(stores), 4, seed=0)
+    resumed.load_state_dict(positions[CURSOR])
+    _drawn(resumed.samples, CURSOR, 8)  # (steps after the resume: the schedule is known from CURSOR on)
+    scheduled = []
+    schedule = store_mix.blend_schedule
+    monkeypatch.setattr(store_mix, "blend_schedule", lambda w, c, first, n: scheduled.append(first)
+                        or schedule(w, c, first, n))
+    resumed.load_state_dict(positions[CURSOR - 400])
+    assert _drawn(resumed.samples, CURSOR - 400, 800) == _drawn(through, CURSOR - 400, 800)
+    assert min(scheduled) == CURSOR - 400, scheduled

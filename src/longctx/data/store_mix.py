@@ -202,13 +202,17 @@ class StoreMix(SampleSet):
         ids = [store.identity["identity"] for store in self.stores]
         rebuilt = {} if same else _rebuilt_counts(record, ids, self.names)
         first = int(record["from"]) if same else int(cursor)
-        start = [counts.get(ident, rebuilt.get(name, 0)) for ident, name in zip(ids, self.names)]
-        # (else the schedule known so far stands: a rollback's, a read-ahead dropped)
-        if (first, start) != (self._first, self._start) or not len(self._choice):
+        # (on the same mix the record's lists follow the mix's stores in order: read so, two stores of one identity,
+        # a store and its copy, keep two counts, which a lookup by identity would make one)
+        in_order = same and [ident for ident, _ in record["given"]] == ids == [ident for ident, _ in record["start"]]
+        start = ([int(n) for _, n in record["start"]] if in_order else
+                 [counts.get(ident, rebuilt.get(name, 0)) for ident, name in zip(ids, self.names)])
+        # the schedule known so far stands (a rollback's, a read-ahead dropped) unless this position falls before it
+        if ((first, start) != (self._first, self._start) or not len(self._choice)
+                or cursor - first < self._origin):
             self._first, self._start = first, start
-            given = dict((ident, int(n)) for ident, n in record["given"]) if same else {}
-            if same and cursor >= first and set(ids) <= set(given):  # (the counts at the cursor: go on from there)
-                self._known_from(cursor - first, [given[i] - n for i, n in zip(ids, start)])
+            if in_order and cursor >= first:  # (the counts at the cursor: go on from there)
+                self._known_from(cursor - first, [int(g) - n for (_, g), n in zip(record["given"], start)])
             else:
                 self._known_from(0, [0] * len(self.stores))
         return [f"{name} at sample {n:,}" + ("" if ident in counts else " (rebuilt)" if name in rebuilt else " (new)")
