@@ -134,7 +134,7 @@ def test_store_gives_the_attention_work_of_its_documents(tmp_path):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--model", "llama9", "--gpus", "8", "--seq-len", "1M"], "model.preset = 'llama9' is not one of"),
+    (["--model", "llama9", "--gpus", "8", "--seq-len", "1M"], "--model 'llama9' is neither a preset"),
     (["--model", "llama3-8b", "--gpus", "0", "--seq-len", "1M"], "--gpus must be at least 1"),
     (["--model", "llama3-8b", "--gpus", "8", "--seq-len", "12345"], "must be divisible by 2 x head x ctx"),
     (["--model", "llama3-8b", "--gpus", "8", "--seq-len", "lots"], "is not a token count"),
