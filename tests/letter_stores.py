@@ -28,3 +28,11 @@ def letter_store(tmp: Path, letter: str, n_docs: int, *, seq_len: int = 64, eval
     build_store(BuildOptions([str(src)], str(out), seq_len, strategy="bfd", dedup="none", workers=1,
                              eval_fraction=eval_fraction, progress=False, stats=False), log=lambda *a, **k: None)
     return out
+
+
+def store_mix(stores, weights, seed: int = 0):
+    """The mix (data/store_mix.py StoreMix) of the stores at paths `stores` at `weights`, as training reads it."""
+    from longctx.data.loader import PackedSamples
+    from longctx.data.store_mix import StoreMix
+
+    return StoreMix([PackedSamples(str(p)) for p in stores], [str(p) for p in stores], list(weights), seed)

@@ -7,15 +7,15 @@ it, are those of the run that never stopped."""
 import numpy as np
 import pytest
 
-from letter_stores import letter_store
-from longctx.data.loader import BatchLoader, PackedSamples
+from letter_stores import letter_store, store_mix
+from longctx.data.loader import BatchLoader
 from longctx.data.store_mix import StoreMix
 
 CURSOR = 60_000
 
 
 def _mix(stores, weights=(0.5, 0.3, 0.2)) -> StoreMix:
-    return StoreMix([PackedSamples(str(p)) for p in stores], [str(p) for p in stores], list(weights), seed=0)
+    return store_mix(stores, weights)
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,11 @@ import json
 
 import pytest
 
-from letter_stores import letter_store
+from letter_stores import letter_store, store_mix
 from longctx.config import load_config
 from longctx.config.resume import load_run_config
-from longctx.data.loader import BatchLoader, PackedSamples
+from longctx.data.loader import BatchLoader
 from longctx.data.samples import SampleOrder
-from longctx.data.store_mix import StoreMix
 from longctx.train.stages import StagedLoader
 from longctx.train.trainer import Trainer
 from simulated_crash import run_until_crash
@@ -121,7 +120,7 @@ def stores(tmp_path_factory):
 
 
 def _mixed(stores, weights) -> BatchLoader:
-    mix = StoreMix([PackedSamples(s) for s in stores], [str(s) for s in stores], weights, 0)
+    mix = store_mix(stores, weights)
     return BatchLoader(mix, 4, seed=0)
 
 

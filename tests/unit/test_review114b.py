@@ -7,16 +7,15 @@ import shutil
 import numpy as np
 import pytest
 
-from letter_stores import letter_store
-from longctx.data.loader import BatchLoader, PackedSamples
-from longctx.data.store_mix import StoreMix
+from letter_stores import letter_store, store_mix
+from longctx.data.loader import BatchLoader
 
 
 @pytest.fixture(scope="module")
 def mix_loader(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("review114b")
     stores = [letter_store(tmp, "a", 12), letter_store(tmp, "b", 8)]
-    mix = StoreMix([PackedSamples(s) for s in stores], [str(s) for s in stores], [0.7, 0.3], 0)
+    mix = store_mix(stores, [0.7, 0.3])
     return BatchLoader(mix, 4, seed=0)
 
 
@@ -70,7 +69,7 @@ def test_a_store_rebuilt_in_a_mix_goes_on_from_its_count_not_from_its_first_samp
     a, b = letter_store(tmp_path, "a", 30), letter_store(tmp_path, "b", 20)
 
     def loader():
-        return BatchLoader(StoreMix([PackedSamples(a), PackedSamples(b)], [str(a), str(b)], [0.5, 0.5], 0), 4, 0)
+        return BatchLoader(store_mix([a, b], [0.5, 0.5]), 4, 0)
 
     old = loader()
     for _ in range(5):

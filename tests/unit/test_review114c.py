@@ -7,15 +7,15 @@ import shutil
 
 import pytest
 
-from letter_stores import letter_store
-from longctx.data.loader import BatchLoader, PackedSamples
+from letter_stores import letter_store, store_mix
+from longctx.data.loader import BatchLoader
 from longctx.data.store_mix import StoreMix
 
 CURSOR = 1_577
 
 
 def _mix(paths, weights=(0.3, 0.5, 0.2)) -> StoreMix:
-    return StoreMix([PackedSamples(str(p)) for p in paths], [str(p) for p in paths], list(weights), seed=0)
+    return store_mix(paths, weights)
 
 
 @pytest.fixture(scope="module")
