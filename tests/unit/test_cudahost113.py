@@ -20,7 +20,7 @@ from longctx.job.checks import check_layout
 from longctx.memory.policy import MemoryPolicy
 from longctx.memory.rss import current_rss_bytes
 from longctx.planner.cost import estimate
-from longctx.train.host_budget import BUDGET_ENV, PROCESS_CAP, check_host_memory, rank_host_bytes, run_shape
+from longctx.train.host_budget import BUDGET_ENV, check_host_memory, rank_host_bytes, run_shape
 
 GIB = 2**30
 MEASURED = Path(__file__).parents[2] / "docs/results/gpu_frontier_nvidia-h200_2026-12-04.json"
@@ -107,7 +107,7 @@ def test_ranks_to_start_count_theirs_whatever_this_process_holds(monkeypatch):
     cfg = config("cuda")
     dims = check_layout(cfg, 4)
     _, host = run_bytes(cfg, dims, "cuda")
-    process = min(current_rss_bytes(), PROCESS_CAP)
+    process = min(current_rss_bytes(), PROCESS_BYTES)
     started(monkeypatch)  # (the launcher's own context: not theirs)
     monkeypatch.setenv(BUDGET_ENV, str(int(4 * (host["total"] + process + CUDA_RUNTIME_BYTES / 2))))
     with pytest.raises(ConfigError, match=r"4 ranks x .*cuda runtime 3\.\d\d GiB") as err:

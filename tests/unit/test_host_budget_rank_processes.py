@@ -7,17 +7,18 @@ an in-process run) holds its own, and is not counted again."""
 import pytest
 
 from longctx.config import load_config
+from longctx.costs.rank_process import PROCESS_BYTES
 from longctx.errors import ConfigError
 from longctx.job.checks import check_layout
 from longctx.memory.rss import current_rss_bytes
-from longctx.train.host_budget import BUDGET_ENV, PROCESS_CAP, check_host_memory, rank_host_bytes
+from longctx.train.host_budget import BUDGET_ENV, check_host_memory, rank_host_bytes
 
 
 def test_ranks_to_start_count_their_processes(monkeypatch):
     cfg = load_config("configs/debug.toml", [])
     dims = check_layout(cfg, 4)
     run = rank_host_bytes(cfg, dims, "cpu", 4, 1e12)["total"]
-    process = min(current_rss_bytes(), PROCESS_CAP)  # (a test worker may hold more than a rank's start)
+    process = min(current_rss_bytes(), PROCESS_BYTES)  # (a test worker may hold more than a rank's start)
     assert process > 50 * 2**20  # (this process has torch imported: what a rank starts with)
     monkeypatch.setenv(BUDGET_ENV, str(int(4 * (run + process / 2))))  # the run's bytes fit, the processes not
     check_host_memory(cfg, dims, 4, "cpu")  # (ranks that run already: their processes are held)

@@ -14,7 +14,7 @@ run's peak, docs/results/gpu_frontier_nvidia-h200_2026-12-04.json, less this CPU
 added here.
 
 The preflight measures its launcher's own RSS where it can (the better figure on the machine itself), at most this
-figure (train/host_budget.py PROCESS_CAP is PROCESS_BYTES): a launcher holding more (a notebook, a test worker, a CUDA
+figure (train/host_budget.py caps it at PROCESS_BYTES): a launcher holding more (a notebook, a test worker, a CUDA
 build's larger import, counted in cuda_runtime) is no rank's start, and a cap at the planner's figure keeps the
 preflight's "process" part within the planner's, so a plan never fails the preflight on this part.
 """

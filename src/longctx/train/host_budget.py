@@ -57,9 +57,6 @@ BUDGET_ENV = env_vars.HOST_MEMORY_ENV
 AUTO_SHARE = 0.8  # memory/auto.py: offload_fraction auto keeps within 0.8 x host memory per rank
 CPU_DEVICE = "device (CPU: host memory)"
 GIB = 2**30
-# check_host_memory: the most a rank yet to start is counted before its run's bytes, the planner's figure
-# (costs/rank_process.py: so the preflight's "process" part never exceeds the plan's)
-PROCESS_CAP = PROCESS_BYTES
 
 # what to change when a part is the largest
 ADVICE = {
@@ -210,9 +207,9 @@ def check_host_memory(cfg: Config, dims, ranks_on_node: int, device_type: str, n
     held = not new_processes and cuda_context_made()
     per_rank = rank_host_bytes(cfg, dims, device_type, ranks_on_node, budget, cuda_context_held=held)
     if new_processes:
-        # (at most PROCESS_CAP: a launcher holding more than its imports, a notebook's or a test worker's, is no
-        # rank's start)
-        per_rank = with_process(per_rank, min(current_rss_bytes(), PROCESS_CAP))
+        # (at most PROCESS_BYTES, the planner's figure: a launcher holding more than its imports, a notebook's or a
+        # test worker's, is no rank's start)
+        per_rank = with_process(per_rank, min(current_rss_bytes(), PROCESS_BYTES))
     need = per_rank["total"] * ranks_on_node
     if need <= budget:
         return
