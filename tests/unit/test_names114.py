@@ -123,7 +123,7 @@ def test_a_hugging_face_directory_keeps_its_own_name(tmp_path):
     count = _meta_count(cfg.model)
     line = _generate_line(f"hf:{hf}", "--tokenizer", "byte")
     assert line.startswith(f"generate: llama {hf} ({_millions(count)} parameters), on cpu ("), line
-    from longctx.eval.results import model_said
+    from longctx.costs.model_states import model_said
 
     m = load_config(None, {"model": {"init_from": f"hf:{hf}"}, "train": {"seq_len": 2, "eval_interval": 0}}).model
     assert model_said(m, f"hf:{hf}") == f"llama {hf} ({_millions(count)} parameters)"

@@ -28,7 +28,7 @@ import math
 import weakref
 
 from ..config import ModelConfig
-from ..config.model_name import count_words
+from ..config.model_name import count_words, model_line
 from ..models.flops import layer_matmul_params, moe_ffn_params
 from ..models.llama import build_model
 from .shape import MeshShape
@@ -110,6 +110,12 @@ def params_text(m: ModelConfig) -> str:
     total = param_counts(m)["total"]
     return f"{count_words(total)} parameters" + (f", {count_words(predicted_active_params(m))} active"
                                                  if m.is_moe else "")
+
+
+def model_said(m: ModelConfig, spec: str) -> str:
+    """The model of the weights `spec` read as `m` in words, with its parameters (params_text) and the step read:
+    what generate, eval and a fine-tune or a draft's training say of it (config/model_name.py model_line)."""
+    return model_line(m, spec, params_text(m))
 
 
 def predicted_model_state_bytes(m: ModelConfig, shape: MeshShape) -> float:

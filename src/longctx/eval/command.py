@@ -116,10 +116,10 @@ def main(args, overrides) -> int:
     import dataclasses
     import time
 
+    from ..costs.model_states import model_said
     from ..job.launch import check_launcher_env, refuse_scheduler_tasks, under_launcher
     from ..job.relaunch import argv_without_nproc, note_finished, relaunch
     from .request import prepare
-    from .results import model_said
 
     tasks = parse_tasks(args.task)  # (first: an unknown or repeated task before anything is read)
     if not under_launcher():

@@ -1,6 +1,6 @@
 """The JSON result and progress lines that `longctx eval`'s two modes share: the result's head (task,
-checkpoint, model (model_said), layout, data, tokenizer, dtype, rope), the routing note, what a heartbeat says of
-the length being evaluated, and each length's one-line headline.
+checkpoint, model (costs/model_states.py model_said), layout, data, tokenizer, dtype, rope), the routing note, what
+a heartbeat says of the length being evaluated, and each length's one-line headline.
 """
 
 from __future__ import annotations
@@ -24,20 +24,13 @@ def rope_record(m) -> dict:
     return {k: v for k, v in given.items() if k in read or (m.rope_ms_poe and k.startswith("ms_poe_"))}
 
 
-def model_said(m, checkpoint: str) -> str:
-    """The model evaluated, as the result's "model" and the run's first line name it: as generate does
-    (config/model_name.py model_line: its name, parameters and the checkpoint's step read)."""
-    from ..config.model_name import model_line
-    from ..costs.model_states import params_text
-
-    return model_line(m, checkpoint, params_text(m))
-
-
 def _result_head(request: EvalRequest, args, cfg, layout: dict, dtype) -> dict:
     """The JSON result before its rows: what was evaluated, on what, under which layout ("results" empty)."""
+    from ..costs.model_states import model_said
+
     rope = rope_record(cfg.model)
     out = {"task": request.task, "mode": request.mode, "checkpoint": args.checkpoint,
-           "model": model_said(cfg.model, args.checkpoint),
+           "model": model_said(cfg.model, args.checkpoint),  # (as generate names it)
            "layout": layout, "data": request.source, "tokenizer": request.tokenizer,
            "dtype": str(dtype).removeprefix("torch."), "rope": rope, "seed": args.seed, "results": []}
     if request.task != "ppl":  # (what a retrieval result is reproduced from: the depths asked, with seed and lengths)

@@ -395,14 +395,13 @@ def _say_run(request: GenerateRequest, args, device, dtype) -> None:
 def _describe(request: GenerateRequest, args, device, dtype) -> str:
     """The line rank 0 says before generating: the model (config/model_name.py model_line: its name, parameters and
     the checkpoint's step read), where, dtype, prompts, tokenizer."""
-    from ..config.model_name import model_line
-    from ..costs.model_states import params_text
+    from ..costs.model_states import model_said
 
     m, p = request.cfg.model, request.cfg.parallel
     where = f"{p.head * p.ctx} ranks (head {p.head} x ctx {p.ctx}, the cache sharded)" if p.head * p.ctx > 1 else \
         device.type
     cpu = f", {threads.describe()}" if device.type == "cpu" else ""
-    return (f"generate: {model_line(m, args.checkpoint, params_text(m))}, on {where} "
+    return (f"generate: {model_said(m, args.checkpoint)}, on {where} "
             f"({str(dtype).removeprefix('torch.')}{cpu}), "
             f"{len(request.prompts)} prompt{'s' * (len(request.prompts) > 1)}, tokenizer {request.tokenizer_spec}")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..config.checkpoint_paths import step_name
 from ..config.inert_options import inert_option_notes
-from ..config.model_name import count_words, model_line
+from ..config.model_name import count_words
 from ..config.moe_rules import moe_notes
 from ..models.llama import count_params
 from ..step.schedule import schedule_note, schedule_words
@@ -43,16 +43,16 @@ def _model_words(cfg, model) -> str:
     step read where it starts from a longctx checkpoint); a draft's training (draft.target: GliDe, Clover) names the
     draft (its kind, layers, block and parameters) and the frozen target it learns from (config/model_name.py:
     its name, parameters and the step read), each with its own figures."""
-    from ..costs.model_states import params_text
+    from ..costs.model_states import model_said
 
     if not cfg.draft.target:  # (a fine-tune from a longctx checkpoint: the step read; was "llama runs/a/checkpoints")
-        return model_line(cfg.model, cfg.model.init_from, params_text(cfg.model))  # (a MoE model's active too)
+        return model_said(cfg.model, cfg.model.init_from)  # (a MoE model's active too)
     from ..checkpoint.glide import draft_words
 
     d = cfg.draft
     drafted = f"{count_words(count_params(getattr(model, 'draft', model)))} parameters"
     return (f"{draft_words({'kind': d.kind, 'layers': d.layers, 'block': d.block}, drafted)} against the target "
-            f"{model_line(cfg.model, d.target, params_text(cfg.model))}")
+            f"{model_said(cfg.model, d.target)}")
 
 
 def _memory_options(mem) -> str:
