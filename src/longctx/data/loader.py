@@ -348,14 +348,14 @@ class BatchLoader:
         return {**self.order.state_dict(), **({"store": self.store} if self.store is not None else {}),
                 **({"mix": self.mix.blend_position(self.order.cursor)} if self.mix is not None else {})}
 
-    def _continue_mix(self, state: dict, same: bool) -> list[str] | None:
+    def _continue_mix(self, state: dict, cursor: int, same: bool) -> list[str] | None:
         """A mix's position: its schedule taken up again (same: the mix it was saved on), or each store's count
         carried into this mix's schedule from the cursor on; None where there is nothing to take up (no mix, or
         a position saved before the counts were recorded: the same cursor, as before)."""
         record = state.get("mix")
         if self.mix is None or record is None:
             return None
-        return self.mix.continue_from(int(state.get("cursor", 0)), record, same)
+        return self.mix.continue_from(cursor, record, same)
 
     def _repacked_note(self, saved: dict, now: dict, allow_changes: bool) -> str:
         """The same documents, packed into other samples (both layouts recorded and different): refused, or
@@ -373,10 +373,13 @@ class BatchLoader:
         """Continue from a saved position; refused when it is for other data. A store of other content (its
         identity; a position saved before identities were recorded has none, and is not checked) is refused
         unless `allow_changes` (--checkpoint.allow_changes), which continues from the same cursor on the new
-        store: what to tell the user then is returned (None: nothing to say)."""
-        note = None
+        store: what to tell the user then is returned (None: nothing to say). Every check runs before anything
+        changes: a refused position leaves the loader as it was (a caller that catches the error, or tries another
+        position, reads on from where it was, a mix's schedule included)."""
         saved, now = state.get("store"), self.store
-        if saved is not None and now is not None and saved.get("identity") != now["identity"]:
+        other = saved is not None and now is not None and saved.get("identity") != now["identity"]
+        what = None
+        if other:
             what = (f"the checkpoint's data position was saved on a store {describe_store(saved)}, but the store "
                     f"{_data_read(self.samples).root} is one {describe_store(now)}")
             if not allow_changes:
@@ -385,37 +388,44 @@ class BatchLoader:
                     f"would point into other data. "
                     f"Resume with the store the run trained on, or add --checkpoint.allow_changes true to continue "
                     f"on the new data from the same cursor.")
-            where = self._continue_mix(state, same=False)
-            note = (f"{what}; continuing on the new data from the same cursor (--checkpoint.allow_changes)."
-                    if where is None else
-                    f"{what}; each store goes on from its own place ({', '.join(where)}), drawn at the new mix's "
-                    f"weights from here on (--checkpoint.allow_changes).")
-        else:
-            where = self._continue_mix(state, same=True)
-            if saved is not None and now is not None and repacked(saved, now):
-                note = self._repacked_note(saved, now, allow_changes)
-        saved_n = state.get("num_samples")
-        # (a mix's stores each went on from their own count: the blend's size is no cursor's epoch)
-        if saved_n is not None and int(saved_n) != len(self.samples) and where is None:
-            counts = (f"the checkpoint's data position is for {saved_n} training samples but the data has "
-                      f"{len(self.samples)}")
-            if not allow_changes:
-                raise DataError(
-                    f"{counts}; resume with the same data (data.path / data.corpus and train.seq_len), or add "
-                    f"--checkpoint.allow_changes true to continue on this data from the same cursor.")
-            # the cursor counts samples drawn; on a store of another size it indexes that store's own seeded order
-            # (an epoch of N' samples), so samples drawn before may come again and others not yet
-            epoch, pos = divmod(int(state.get("cursor", 0)), len(self.samples))  # (a loader has samples)
-            note = (f"{note + ' ' if note else ''}{counts}: continuing at sample {pos} of epoch {epoch} of this "
-                    f"data's own order (--checkpoint.allow_changes); samples drawn before may be drawn again.")
+        note = self._repacked_note(saved, now, allow_changes) if (
+            not other and saved is not None and now is not None and repacked(saved, now)) else None
+        # (a mix's stores each go on from their own count: the blend's size is no cursor's epoch)
+        mixed = self.mix is not None and state.get("mix") is not None
+        counts = None if mixed else self._counts_note(state, allow_changes)
         if "seed" in state and int(state["seed"]) != self.order.seed:
             raise DataError(
                 f"the checkpoint's data order was drawn with seed {state['seed']} but this run uses train.seed="
                 f"{self.order.seed}; resuming would repeat some samples and skip others. Resume with "
                 f"--train.seed {state['seed']}."
             )
+        cursor = int(state["cursor"])  # (read before anything changes, as the order's load_state_dict reads it)
+        where = self._continue_mix(state, cursor, same=not other)
         self.order.load_state_dict(state)
-        return note
+        if other:
+            note = (f"{what}; continuing on the new data from the same cursor (--checkpoint.allow_changes)."
+                    if where is None else
+                    f"{what}; each store goes on from its own place ({', '.join(where)}), drawn at the new mix's "
+                    f"weights from here on (--checkpoint.allow_changes).")
+        return f"{note + ' ' if note else ''}{counts}" if counts else note
+
+    def _counts_note(self, state: dict, allow_changes: bool) -> str | None:
+        """A position for another number of samples: refused, or continued on from the same cursor with a note
+        under `allow_changes` (None: the same number, or none recorded)."""
+        saved_n = state.get("num_samples")
+        if saved_n is None or int(saved_n) == len(self.samples):
+            return None
+        counts = (f"the checkpoint's data position is for {saved_n} training samples but the data has "
+                  f"{len(self.samples)}")
+        if not allow_changes:
+            raise DataError(
+                f"{counts}; resume with the same data (data.path / data.corpus and train.seq_len), or add "
+                f"--checkpoint.allow_changes true to continue on this data from the same cursor.")
+        # the cursor counts samples drawn; on a store of another size it indexes that store's own seeded order
+        # (an epoch of N' samples), so samples drawn before may come again and others not yet
+        epoch, pos = divmod(int(state.get("cursor", 0)), len(self.samples))  # (a loader has samples)
+        return (f"{counts}: continuing at sample {pos} of epoch {epoch} of this data's own order "
+                f"(--checkpoint.allow_changes); samples drawn before may be drawn again.")
 
 
 def cost_coefficients(model_cfg) -> tuple[float, float]:

@@ -22,9 +22,10 @@ global cursor of SampleOrder, so checkpoints, resumes, data-parallel balance (`c
 the stores' samples together (one "blend epoch"), what a resume compares and the epochs are said of.
 
 A resume on an edited mix (other weights, a store added or dropped; under --checkpoint.allow_changes) goes on
-from each store's own place: the data position records how many samples each store had given (by its identity:
-`blend_position`), and from the resumed position on the blend's schedule starts afresh under the new weights,
-each store numbering its samples on from its count (`continue_from`). The same cursor in the new blend would
+from each store's own place: the data position records how many samples each store had given (with its identity,
+in the mix's order: `blend_position`; a store and its copy at another path, one identity, are two counts), and
+from the resumed position on the blend's schedule starts afresh under the new weights, each store numbering its
+samples on from its count (`continue_from`). The same cursor in the new blend would
 map to other counts (count_s ~ w_s k under the new weights), repeating samples of a store weighed down and
 skipping some of one weighed up. The schedule's start is part of the position, so a later resume goes on exactly.
 """
@@ -186,8 +187,9 @@ class StoreMix(SampleSet):
 
     def blend_position(self, k: int) -> dict:
         """What a data position at blend position k records of the mix: where this schedule started (`from`, each
-        store's count there) and each store's count at k (`given`), by the store's identity, and the stores' names in
-        that order (`names`: a store rebuilt in place, under another identity, goes on from its count)."""
+        store's count there) and each store's count at k (`given`), each with the store's identity, in the mix's order,
+        and the stores' names in that order (`names`: a store rebuilt in place, under another identity, goes on from
+        its count; of a store and its copy, one identity, each from its own)."""
         ids = [store.identity["identity"] for store in self.stores]
         return {"from": self._first, "start": [list(p) for p in zip(ids, self._start)],
                 "given": [list(p) for p in zip(ids, self._given(k))], "names": list(self.names)}
@@ -195,28 +197,31 @@ class StoreMix(SampleSet):
     def continue_from(self, cursor: int, record: dict, same: bool) -> list[str]:
         """Go on from a data position's `record` (blend_position) at blend position `cursor`: on the same mix, the
         schedule it was in; on an edited one, a schedule starting at `cursor` under this mix's weights, each store
-        from its count then (a store rebuilt, of another identity, from the count of the store of its name it
-        replaces; 0 for one the position does not know). Returns how far each store had gone (the stores' names with
-        their counts), for the resume's note."""
-        counts = dict((ident, int(n)) for ident, n in record["start" if same else "given"])
-        ids = [store.identity["identity"] for store in self.stores]
-        rebuilt = {} if same else _rebuilt_counts(record, ids, self.names)
+        from its own count then (_own_entries: a store and its copy at another path, one identity, each from its own;
+        a store rebuilt, of another identity, from the count of the store of its name it replaces; 0 for one the
+        position does not know). Returns how far each store had gone (the stores' names with their counts), for the
+        resume's note. Everything is read from the record before the mix changes: a record it cannot read leaves
+        the mix as it was."""
+        ids, entries = [store.identity["identity"] for store in self.stores], record["start" if same else "given"]
+        own = _own_entries(entries, record.get("names") or [], ids, self.names)
+        rebuilt = [None] * len(ids) if same else _rebuilt_entries(own, record.get("names") or [], self.names)
         first = int(record["from"]) if same else int(cursor)
-        # (on the same mix the record's lists follow the mix's stores in order: read so, two stores of one identity,
-        # a store and its copy, keep two counts, which a lookup by identity would make one)
+        taken = [mine if mine is not None else other for mine, other in zip(own, rebuilt)]
+        start = [0 if i is None else int(entries[i][1]) for i in taken]
+        # (on the same mix the record's lists follow the mix's stores: the counts at the cursor are known too)
         in_order = same and [ident for ident, _ in record["given"]] == ids == [ident for ident, _ in record["start"]]
-        start = ([int(n) for _, n in record["start"]] if in_order else
-                 [counts.get(ident, rebuilt.get(name, 0)) for ident, name in zip(ids, self.names)])
+        known = [int(g) - n for (_, g), n in zip(record["given"], start)] if in_order and cursor >= first else None
         # the schedule known so far stands (a rollback's, a read-ahead dropped) unless this position falls before it
         if ((first, start) != (self._first, self._start) or not len(self._choice)
                 or cursor - first < self._origin):
             self._first, self._start = first, start
-            if in_order and cursor >= first:  # (the counts at the cursor: go on from there)
-                self._known_from(cursor - first, [int(g) - n for (_, g), n in zip(record["given"], start)])
+            if known is not None:  # (the counts at the cursor: go on from there)
+                self._known_from(cursor - first, known)
             else:
                 self._known_from(0, [0] * len(self.stores))
-        return [f"{name} at sample {n:,}" + ("" if ident in counts else " (rebuilt)" if name in rebuilt else " (new)")
-                for name, n, ident in zip(self.names, self._start, ids)]
+        said = ["" if mine is not None else " (new)" if other is None else " (rebuilt)"
+                for mine, other in zip(own, rebuilt)]
+        return [f"{name} at sample {n:,}{how}" for name, n, how in zip(self.names, self._start, said)]
 
     def _by_store(self, indices) -> list[tuple[int, np.ndarray, list[int]]]:
         """Rows of `indices` grouped by store: (store, the rows' places in `indices`, their samples there)."""
@@ -300,11 +305,34 @@ def _rows_in_order(n: int, parts: list[tuple[np.ndarray, object]]):
     return out
 
 
-def _rebuilt_counts(record: dict, ids: list[str], names: list[str]) -> dict[str, int]:
-    """name -> count of the stores a position records (blend_position) that the mix now holds rebuilt: of the same
-    name, under an identity the mix no longer has (a position saved before names were recorded: none)."""
-    saved = record.get("names") or []
-    return {name: int(n) for name, (ident, n) in zip(saved, record["given"]) if name in names and ident not in ids}
+def _own_entries(entries: list, saved_names: list[str], ids: list[str], names: list[str]) -> list[int | None]:
+    """Which of a position's `entries` ([identity, count] per store, in the order of the mix it was saved on;
+    `saved_names` their names, [] in a position saved before names were recorded) each store of the mix goes on
+    from; None for a store whose identity has no entry left. Stores of one identity (a store and its copy at another
+    path) each keep their own count, which a lookup by identity would make one: each takes the entry of its identity
+    and its name, else the next one of its identity in the entries' order (the mix's order)."""
+    free: dict[str, list[int]] = {}
+    for i, (ident, _) in enumerate(entries):
+        free.setdefault(ident, []).append(i)
+    chosen: list[int | None] = []
+    for ident, name in zip(ids, names):  # (first by name: a copy dropped or another added leaves the others theirs)
+        i = next((i for i in free.get(ident, []) if i < len(saved_names) and saved_names[i] == name), None)
+        if i is not None:
+            free[ident].remove(i)
+        chosen.append(i)
+    for s, ident in enumerate(ids):
+        if chosen[s] is None and free.get(ident):
+            chosen[s] = free[ident].pop(0)
+    return chosen
+
+
+def _rebuilt_entries(own: list[int | None], saved_names: list[str], names: list[str]) -> list[int | None]:
+    """For each store of the mix that goes on from no entry of its identity (`own`: _own_entries), the entry of a
+    store of its name that no store goes on from: the store rebuilt in place, under another identity (None: a new
+    store, or a position saved before names were recorded)."""
+    used = {i for i in own if i is not None}
+    by_name = {name: i for i, name in enumerate(saved_names) if i not in used}
+    return [by_name.get(name) if mine is None else None for mine, name in zip(own, names)]
 
 
 def mix_identity(stores: list[PackedSamples], names: list[str], weights: np.ndarray) -> dict:
