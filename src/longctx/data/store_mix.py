@@ -23,7 +23,9 @@ the stores' samples together (one "blend epoch"), what a resume compares and the
 
 A resume on an edited mix (other weights, a store added or dropped; under --checkpoint.allow_changes) goes on
 from each store's own place: the data position records how many samples each store had given (with its identity,
-in the mix's order: `blend_position`; a store and its copy at another path, one identity, are two counts), and
+in the mix's order: `blend_position`; a store and its copy at another path, one identity, are two counts) and
+the key each store's permutations are drawn from (its place in the mix the run began with: a store that moves to
+another place goes on in its own order, not the order of its new place), and
 from the resumed position on the blend's schedule starts afresh under the new weights, each store numbering its
 samples on from its count (`continue_from`). The same cursor in the new blend would
 map to other counts (count_s ~ w_s k under the new weights), repeating samples of a store weighed down and
@@ -95,6 +97,9 @@ class StoreMix(SampleSet):
         # numbering its samples on from `_start[s]` (what it had given before); positions are counted from `_first`
         self._first, self._start = 0, [0] * len(stores)
         self._known_from(0, [0] * len(stores))
+        # each store's permutations are drawn from its key, kept over a resume on an edited mix (a store that moves
+        # to another place goes on in its own order); a run's stores start with their places
+        self._keys = list(range(len(stores)))
         self._perms: dict[tuple[int, int], np.ndarray] = {}
         self.identity = mix_identity(stores, self.names, self.weights)
 
@@ -160,7 +165,8 @@ class StoreMix(SampleSet):
         if key not in self._perms:
             if len(self._perms) > 4 * len(self.stores):  # (a run reads each store's epochs in order)
                 self._perms.clear()
-            self._perms[key] = np.random.default_rng([self.seed, 0x4D4958, s, epoch]).permutation(len(self.stores[s]))
+            rng = np.random.default_rng([self.seed, 0x4D4958, self._keys[s], epoch])
+            self._perms[key] = rng.permutation(len(self.stores[s]))
         return self._perms[key]
 
     def locate(self, k: int) -> tuple[int, int]:
@@ -192,7 +198,8 @@ class StoreMix(SampleSet):
         its count; of a store and its copy, one identity, each from its own)."""
         ids = [store.identity["identity"] for store in self.stores]
         return {"from": self._first, "start": [list(p) for p in zip(ids, self._start)],
-                "given": [list(p) for p in zip(ids, self._given(k))], "names": list(self.names)}
+                "given": [list(p) for p in zip(ids, self._given(k))], "names": list(self.names),
+                "keys": list(self._keys)}
 
     def continue_from(self, cursor: int, record: dict, same: bool) -> list[str]:
         """Go on from a data position's `record` (blend_position) at blend position `cursor`: on the same mix, the
@@ -208,6 +215,9 @@ class StoreMix(SampleSet):
         first = int(record["from"]) if same else int(cursor)
         taken = [mine if mine is not None else other for mine, other in zip(own, rebuilt)]
         start = [0 if i is None else int(entries[i][1]) for i in taken]
+        keys = _kept_keys(taken, record.get("keys") or list(range(len(entries))))
+        if keys != self._keys:
+            self._keys, self._perms = keys, {}
         # (on the same mix the record's lists follow the mix's stores: the counts at the cursor are known too)
         in_order = same and [ident for ident, _ in record["given"]] == ids == [ident for ident, _ in record["start"]]
         known = [int(g) - n for (_, g), n in zip(record["given"], start)] if in_order and cursor >= first else None
@@ -324,6 +334,19 @@ def _own_entries(entries: list, saved_names: list[str], ids: list[str], names: l
         if chosen[s] is None and free.get(ident):
             chosen[s] = free[ident].pop(0)
     return chosen
+
+
+def _kept_keys(taken: list[int | None], saved: list[int]) -> list[int]:
+    """Each store's permutation key: the key of the entry it goes on from (`taken`, _own_entries or
+    _rebuilt_entries; `saved`: the position's keys, its stores' places in one saved before keys were recorded,
+    which were the keys then); a store new to the mix takes its place if no other store holds that key, else the
+    lowest free one."""
+    keys = [None if i is None else int(saved[i]) for i in taken]
+    for s, key in enumerate(keys):
+        if key is None:
+            held = set(keys)
+            keys[s] = s if s not in held else next(k for k in range(len(keys) + len(saved) + 1) if k not in held)
+    return keys
 
 
 def _rebuilt_entries(own: list[int | None], saved_names: list[str], names: list[str]) -> list[int | None]:
