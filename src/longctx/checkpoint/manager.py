@@ -105,6 +105,7 @@ class CheckpointManager:
         self.holdout_tokens = 0  # the eval-split grid of the run's default-corpus store (manifest.py), 0: not one
         self.text_prefix: list[int] = []  # the special tokens its documents begin with (manifest.py)
         self.run_dir: str | None = None  # the run directory (absolute), in the manifest: where resumes find its config
+        self.config: str | None = None  # the run's config.toml text, in the manifest: what its weights trained under
         self.rank, self.world, self.layout, self.model_cfg, self.log = rank, world, layout, model_cfg, log
         # DCP's writes, the hashing barrier and the verdicts' all-reduces: a group apart from the training loop's
         self.group = new_gloo_group() if world > 1 else None
@@ -181,7 +182,8 @@ class CheckpointManager:
 
     def _manifest_record(self) -> dict:
         return {"trained_positions": self.trained_positions, "run_dir": self.run_dir,
-                "holdout_tokens": self.holdout_tokens, "text_prefix": self.text_prefix, "parent": self.parent}
+                "holdout_tokens": self.holdout_tokens, "text_prefix": self.text_prefix, "parent": self.parent,
+                "config": self.config}
 
     def _temporary_directory(self, step: int, own_bytes: float) -> Path:
         """A fresh hidden directory for this save, the same on every rank. A full disk already there fails the

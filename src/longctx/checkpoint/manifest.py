@@ -112,7 +112,7 @@ def write_manifest(directory: Path, *, step: int, layout: dict, model: dict,
                    hashes: dict[str, dict] | None = None, tokenizer: str | None = None,
                    tokenizer_identity: str | None = None, draft: dict | None = None, trained_positions: int = 0,
                    run_dir: str | None = None, holdout_tokens: int = 0, text_prefix: list[int] | None = None,
-                   parent: dict | None = None) -> dict:
+                   parent: dict | None = None, config: str | None = None) -> dict:
     """Write manifest.json (last, atomically). `hashes` are the ranks' checksums of their files; any file
     on disk they do not cover (all of them when None) is hashed here, so the manifest lists every file.
     `tokenizer_identity`: the run's tokenizer's content (config/tokenizer.py tokenizer_identity, as data stores
@@ -126,7 +126,10 @@ def write_manifest(directory: Path, *, step: int, layout: dict, model: dict,
     its documents began with (e.g. BOS: data/builder/tokenize.py), which `longctx generate` and `longctx
     eval` put before a prompt (config/tokenizer.py model_text_prefix; none = left out). `parent`: the
     checkpoint the run saved or loaded last before this one ({"name", "checksum"}; None: it started afresh),
-    which keep, resume auto and rollbacks follow (config/checkpoint_paths.py trajectory)."""
+    which keep, resume auto and rollbacks follow (config/checkpoint_paths.py trajectory). `config`: the TOML text
+    of the config the weights trained under (the run's config.toml as the run wrote it), against which a resume of
+    this checkpoint says and refuses its changes though a later resume rewrote config.toml (config/resume.py; None:
+    left out)."""
     hashes = dict(hashes or {})
     missing = [rel for rel in checkpoint_files(directory) if rel not in hashes]
     hashes.update(hash_files(directory, missing))
@@ -143,6 +146,7 @@ def write_manifest(directory: Path, *, step: int, layout: dict, model: dict,
         **({"holdout_tokens": int(holdout_tokens)} if holdout_tokens else {}),
         **({"text_prefix": [int(t) for t in text_prefix]} if text_prefix else {}),
         "parent": parent,
+        **({"config": config} if config else {}),
         "files": [{"path": rel, **hashes[rel]} for rel in sorted(hashes)],
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "longctx": __version__,
@@ -155,7 +159,7 @@ def write_manifest(directory: Path, *, step: int, layout: dict, model: dict,
 
 # every top-level key write_manifest writes: a manifest without its checksum holding another key is damaged
 MANIFEST_KEYS = frozenset({"format", "step", "layout", "model", "tokenizer", "tokenizer_identity", "trained_positions",
-                           "draft", "run_dir", "holdout_tokens", "text_prefix", "parent", "files", "created",
+                           "draft", "run_dir", "holdout_tokens", "text_prefix", "parent", "config", "files", "created",
                            "longctx", "torch", "checksum"})
 
 

@@ -86,18 +86,28 @@ def read_toml(path: str | Path, what: str, hint: str) -> dict:
         raise ConfigError(f"{what} '{path}' cannot be read: {e.strerror or e}.") from None
 
 
+def _toml_text(text: str, where) -> dict:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{where} is not valid TOML: {e}.") from None
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] | dict | None = None) -> Config:
     """Build a validated Config from an optional TOML file and overrides (CLI strings or a dict)."""
     return build_config(read_raw(path, overrides))
 
 
 def read_raw(path: str | Path | None = None, overrides: Sequence[str] | dict | None = None, *,
-             saved_run: bool = False) -> dict:
+             saved_run: bool = False, text: str | None = None) -> dict:
     """{section: {key: value}} as given by an optional TOML file and overrides on top, unresolved.
-    `saved_run`: the file is a run's own saved config.toml (renamed keys read under their new names)."""
+    `saved_run`: the file is a run's own saved config.toml (renamed keys read under their new names).
+    `text`: that file's TOML text, read in place of the file `path` names (a checkpoint's record of its run's
+    config.toml: config/resume_source.py); `path` then names it in messages."""
     raw: dict[str, dict[str, Any]] = {}
     if path is not None:
-        data = read_toml(path, "config file", "Pass an existing TOML file, e.g. configs/debug.toml.")
+        data = (read_toml(path, "config file", "Pass an existing TOML file, e.g. configs/debug.toml.") if text is None
+                else _toml_text(text, path))
         for section, values in data.items():
             if not isinstance(values, dict):
                 raise ConfigError(

@@ -4,7 +4,9 @@ Without this, a resume would build its config from the defaults plus the command
 saved every 10 steps, resumed with only `--train.steps 30`, would silently train on with saving off
 and whatever else the defaults say. Here the saved config is the base and the command line applies
 on top; each key that differs is said once ("resume: train.steps 20 -> 30"). Changing the model or
-the data, or turning saving off, is refused unless asked for with `--checkpoint.allow_changes`.
+the data, or turning saving off, is refused unless asked for with `--checkpoint.allow_changes`. What is said and
+refused is measured from the config the resumed checkpoint trained under, where it records one (a rollback past a
+resume that edited config.toml: config/resume_source.py).
 
 Which layout a resume runs is config/layout.py's rule (it calls this with `layout_given`). Pure
 config logic (no torch), used by `longctx train`; `load_config` itself builds exactly what it is
@@ -22,6 +24,8 @@ from ..errors import ConfigError, UserError
 from .checkpoint_paths import find_checkpoint, latest_checkpoint, manifest_or_empty, resolve_checkpoint
 from .inert_options import STORE_BUILD_KEYS
 from .load import build_config, drop_restated_model_keys, read_raw, to_dict
+from .resume_source import Origin, refused_note, trained_under
+from .resume_source import show as _show
 from .rules import parse_stages
 from .schema import Config
 from .weight_shapes import shape_differences
@@ -40,11 +44,12 @@ DATA_NEUTRAL = {"workers", "dp_balance"}
 @dataclass
 class Resumed:
     run_dir: Path
-    changes: list[str]  # "train.steps 20 -> 30", one per key that differs from the saved run
+    changes: list[str]  # "train.steps 20 -> 30", one per key that differs from the config the checkpoint trained under
+    note: str = ""  # said after them (resume_source.py)
 
     def describe(self) -> str:
-        return (f"resume: {self.run_dir} with its saved config.toml; " +
-                (", ".join(self.changes) if self.changes else "nothing changed"))
+        said = ", ".join(self.changes) if self.changes else "nothing changed"
+        return f"resume: {self.run_dir} with its saved config.toml; {said}" + (f" ({self.note})" if self.note else "")
 
 
 def saved_run_dir(raw: dict) -> Path | None:
@@ -127,7 +132,7 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
         for key in LAYOUT_KEYS:
             base.get("parallel", {}).pop(key, None)
     try:  # (first: a key it holds that this version lacks was said as if the command line had given it)
-        before = to_dict(build_config(saved))
+        run_file = to_dict(build_config(saved))
     except ConfigError as e:
         raise ConfigError(f"the saved config of the run to resume, {run_dir / 'config.toml'}, no longer loads: "
                           f"{e} Edit that file to what this version accepts (`longctx train --print-config` lists "
@@ -137,12 +142,24 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
     merged.setdefault("train", {})["run_dir"] = given.get("train", {}).get("run_dir") or str(run_dir)
     cfg = build_config(merged)
     after = to_dict(cfg)
+    # (what the checkpoint trained under, which a rollback past an edited resume no longer finds in config.toml)
+    origin = trained_under(resumed_manifest(cfg, run_dir), run_file, _recorded_config, run_dir)
+    before = origin.config
     diffs = _differences(before, after)
     _refuse_another_seed(diffs, cfg, run_dir)
     _refuse_other_weights(before["model"], after["model"], cfg, run_dir)
-    _refuse_unasked(diffs, cfg, run_dir)
-    _refuse_replanned_stages(before["train"], cfg, run_dir)
-    return cfg, Resumed(run_dir, [f"{s}.{k} {_show(a)} -> {_show(b)}" for s, k, a, b in diffs])
+    _refuse_unasked(diffs, cfg, run_dir, origin)
+    _refuse_replanned_stages(before["train"], cfg, run_dir, origin)
+    later = origin.later(diffs)
+    changes = [f"{s}.{k} {_show(a)} -> {_show(b)}" + (f" ({origin.from_run_file()})" if (s, k) in later else "")
+               for s, k, a, b in diffs]
+    return cfg, Resumed(run_dir, changes + origin.restored(after, NOT_SETTINGS), origin.note)
+
+
+def _recorded_config(text: str) -> dict:
+    """A checkpoint's record of its run's config.toml (its manifest's "config"), loaded as config.toml is."""
+    raw = read_raw("the checkpoint's recorded config", text=text, saved_run=True)
+    return to_dict(build_config(_without_ignored_build_keys(raw)))
 
 
 def _follow_another_target(base: dict, given: dict) -> None:
@@ -154,10 +171,6 @@ def _follow_another_target(base: dict, given: dict) -> None:
     model = base.get("model", {})
     if target and saved and target != saved and model.get("init_from") == saved:
         model.pop("init_from")
-
-
-def _show(value: Any) -> str:
-    return repr(value) if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _refuse_another_seed(diffs: list, cfg: Config, run_dir: Path) -> None:
@@ -229,7 +242,7 @@ def resumed_manifest(cfg: Config, run_dir: Path) -> dict:
     return manifest_or_empty(target) if target is not None else {}
 
 
-def _refuse_replanned_stages(saved_train: dict, cfg: Config, run_dir: Path) -> None:
+def _refuse_replanned_stages(saved_train: dict, cfg: Config, run_dir: Path, origin: Origin) -> None:
     """train.stages edited so that the steps the checkpoint trained, or the stage it continues in, belong to
     other stages than they did. The data position a checkpoint saves is a cursor in its stage's store, applied
     only when the run goes on in that same stage (train/stages.py): a stage inserted before it, its length
@@ -261,6 +274,8 @@ def _refuse_replanned_stages(saved_train: dict, cfg: Config, run_dir: Path) -> N
         ran = [(length, min(end, step) - start + 1, b) for length, start, end, b in old if start <= step]
         keep = ",".join(_spelled(*stage) for stage in ran)
         edit = f"{saved_train['stages'] or '(none)'!r} -> {cfg.train.stages or '(none)'!r}"
+        if ("train", "stages") in origin.later([("train", "stages", saved_train["stages"], cfg.train.stages)]):
+            edit += f" ({origin.from_run_file()})"
         raise ConfigError(
             f"this resume of {run_dir} continues from step {step}, but train.stages {edit} moves the steps it "
             f"trained: stage {i + 1} ({_spelled(seq_len, last - first + 1, batch)!r}, steps {first}-{last} at "
@@ -270,8 +285,9 @@ def _refuse_replanned_stages(saved_train: dict, cfg: Config, run_dir: Path) -> N
             f"--checkpoint.allow_changes true to resume with the new stages anyway.")
 
 
-def _refuse_unasked(diffs: list, cfg: Config, run_dir: Path) -> None:
-    """Changes a resume makes only when asked: the model, the data, saving turned off."""
+def _refuse_unasked(diffs: list, cfg: Config, run_dir: Path, origin: Origin) -> None:
+    """Changes a resume makes only when asked: the model, the data, saving turned off; those that come from the run's
+    config.toml (changed after the checkpoint was saved) said so, with the way to give the checkpoint's back."""
     if cfg.checkpoint.allow_changes:
         return
     kinds = {
@@ -285,10 +301,13 @@ def _refuse_unasked(diffs: list, cfg: Config, run_dir: Path) -> None:
     found = {what: ds for what, ds in kinds.items() if ds}
     if not found:
         return
-    said = "; ".join(f"{what}: " + ", ".join(f"{s}.{k} {_show(a)} -> {_show(b)}" for s, k, a, b in ds)
-                     for what, ds in found.items())
+    later = origin.later(diffs)
+    source = f" ({origin.from_run_file()})"
+    said = "; ".join(f"{what}: " + ", ".join(f"{s}.{k} {_show(a)} -> {_show(b)}" + (source if (s, k) in later else "")
+                                             for s, k, a, b in ds) for what, ds in found.items())
     fresh = ("a new draft run in another --train.run_dir" if cfg.draft.target else  # (a draft is no init_from)
              f"a new run from its weights with --model.init_from {run_dir / 'checkpoints'}")
     raise ConfigError(
         f"this resume of {run_dir} would change {said}. A resume continues the run with its saved settings, so "
-        f"this is refused unless asked for: add --checkpoint.allow_changes true to do it anyway, or start {fresh}.")
+        f"this is refused unless asked for: add --checkpoint.allow_changes true to do it anyway, or start {fresh}."
+        + refused_note([d for ds in found.values() for d in ds if d[:2] in later], origin))

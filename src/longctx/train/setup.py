@@ -334,6 +334,7 @@ def open_checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer
                                 tokenizer=tokenizer, draft=getattr(model, "checkpoint_record", None),
                                 tokenizer_identity=run_tokenizer_identity(cfg, tokenizer))
     manager.run_dir = str(run_dir.resolve())
+    manager.config = to_toml(cfg)  # (config.toml's text: a rollback past a resume that edited it compares with this)
     # the grid its default-corpus stores hold out on (store_path): `longctx eval` reads that corpus on it
     manager.holdout_tokens = 0 if cfg.data.path else holdout_grid(cfg)
     manager.text_prefix = run_text_prefix(cfg)  # what generate and eval begin a prompt with
