@@ -400,13 +400,19 @@ class BatchLoader:
                 f"--train.seed {state['seed']}."
             )
         cursor = int(state["cursor"])  # (read before anything changes, as the order's load_state_dict reads it)
-        where = self._continue_mix(state, cursor, same=not other)
+        # (the same mix's identity with a store and its copy listed the other way round: an edited mix, by names)
+        relisted = mixed and not other and self.mix.relisted(state["mix"])
+        where = self._continue_mix(state, cursor, same=not (other or relisted))
         self.order.load_state_dict(state)
         if other:
             note = (f"{what}; continuing on the new data from the same cursor (--checkpoint.allow_changes)."
                     if where is None else
                     f"{what}; each store goes on from its own place ({', '.join(where)}), drawn at the new mix's "
                     f"weights from here on (--checkpoint.allow_changes).")
+        elif relisted:
+            note = (f"{note + ' ' if note else ''}the mix's stores of one content are listed in other places than "
+                    f"the checkpoint's data position records ({', '.join(state['mix']['names'])}); each store goes on "
+                    f"from its own place ({', '.join(where)}), drawn at this mix's weights from here on.")
         return f"{note + ' ' if note else ''}{counts}" if counts else note
 
     def _counts_note(self, state: dict, allow_changes: bool) -> str | None:

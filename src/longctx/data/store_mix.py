@@ -25,7 +25,8 @@ A resume on an edited mix (other weights, a store added or dropped; under --chec
 from each store's own place: the data position records how many samples each store had given (with its identity,
 in the mix's order: `blend_position`; a store and its copy at another path, one identity, are two counts) and
 the key each store's permutations are drawn from (its place in the mix the run began with: a store that moves to
-another place goes on in its own order, not the order of its new place), and
+another place goes on in its own order, not the order of its new place; a store and its copy listed the other way
+round, which the mix's identity cannot see, is an edited mix too: `relisted`), and
 from the resumed position on the blend's schedule starts afresh under the new weights, each store numbering its
 samples on from its count (`continue_from`). The same cursor in the new blend would
 map to other counts (count_s ~ w_s k under the new weights), repeating samples of a store weighed down and
@@ -200,6 +201,14 @@ class StoreMix(SampleSet):
         return {"from": self._first, "start": [list(p) for p in zip(ids, self._start)],
                 "given": [list(p) for p in zip(ids, self._given(k))], "names": list(self.names),
                 "keys": list(self._keys)}
+
+    def relisted(self, record: dict) -> bool:
+        """Whether a data position of this mix's identity (its stores' contents and weights, in order) has its stores
+        in other places: a store and its copy at another path (one identity) listed the other way round, which the
+        identity cannot see but the names recorded do. Each store goes on from its own count then, so the mix is
+        taken up as an edited one (continue_from with same=False), not in the schedule it was in."""
+        ids = [store.identity["identity"] for store in self.stores]
+        return _own_entries(record["given"], record.get("names") or [], ids, self.names) != list(range(len(ids)))
 
     def continue_from(self, cursor: int, record: dict, same: bool) -> list[str]:
         """Go on from a data position's `record` (blend_position) at blend position `cursor`: on the same mix, the
