@@ -61,9 +61,10 @@ def _cmd_train(args, overrides) -> int:
 
     refuse_ms_poe_in_training(cfg.model)  # (a position option of generate and eval only)
     launching = not launcher and not args.print_config
-    if run.resumed is not None and not (launcher and (os.environ["RANK"] != "0" or launched_by_us())):
+    said = run.resumed.describe() if run.resumed is not None else run.unfound
+    if said and not (launcher and (os.environ["RANK"] != "0" or launched_by_us())):
         # once: by the launching process, or rank 0 under torchrun directly (--print-config: stdout is the TOML)
-        print(run.resumed.describe(), file=sys.stderr if args.print_config else sys.stdout)
+        print(said, file=sys.stderr if args.print_config else sys.stdout)
     if run.note and launching:
         print(f"longctx train: note: {run.note}", file=sys.stderr)
     if args.print_config:

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .load import parse_overrides, read_raw
-from .resume import LAYOUT_KEYS, Resumed, load_run_config
+from .resume import LAYOUT_KEYS, Resumed, load_run_config, resume_checkpoint
+from .resume_moved import unfound_line
 from .rules import head_fits
 from .schema import Config, ParallelConfig
 
@@ -67,6 +68,9 @@ class Layout:
     overrides: list[str]  # the command line's overrides plus the default layout spelled out
     nproc: int
     note: str | None  # said once when the default layout had to bend to the model's heads
+    # said in place of the resume's line (`resumed` None) where a resume found neither the run's config.toml nor a
+    # config its checkpoint recorded, so that it runs the defaults plus what is given (config/resume_moved.py)
+    unfound: str | None = None
 
 
 def resolve_layout(path: str | Path | None, overrides: Sequence[str], nproc: int | None, *,
@@ -75,8 +79,8 @@ def resolve_layout(path: str | Path | None, overrides: Sequence[str], nproc: int
     """The rule above. `nproc`: --nproc as given (None: not given); `world`: the ranks a launcher
     already started (then they are the world, whatever --nproc says); `saved_world(cfg)`: the ranks
     that wrote the checkpoint a resume continues; `default_nproc(cfg)`: the device's default."""
-    given = read_raw(path, overrides).get("parallel", {})
-    named = bool(nproc) or any(k in given for k in LAYOUT_KEYS)
+    raw = read_raw(path, overrides)
+    named = bool(nproc) or any(k in raw.get("parallel", {}) for k in LAYOUT_KEYS)
     cfg, resumed = load_run_config(path, overrides, layout_given=named)
     if world:
         nproc = world
@@ -92,4 +96,5 @@ def resolve_layout(path: str | Path | None, overrides: Sequence[str], nproc: int
         if layout:
             overrides += [f"--parallel.{k}={v}" for k, v in layout.items()]
             cfg, resumed = load_run_config(path, overrides, layout_given=True)
-    return Layout(cfg, resumed, overrides, nproc, note)
+    unfound = None if resumed is not None else unfound_line(raw, resume_checkpoint(raw), path)
+    return Layout(cfg, resumed, overrides, nproc, note, unfound)

@@ -6,7 +6,9 @@ and whatever else the defaults say. Here the saved config is the base and the co
 on top; each key that differs is said once ("resume: train.steps 20 -> 30"). Changing the model or
 the data, or turning saving off, is refused unless asked for with `--checkpoint.allow_changes`. What is said and
 refused is measured from the config the resumed checkpoint trained under, where it records one (a rollback past a
-resume that edited config.toml: config/resume_source.py).
+resume that edited config.toml: config/resume_source.py). Where the run's config.toml is not found (checkpoints
+copied elsewhere, a run directory wiped), the config the checkpoint recorded is the base, said so, and a checkpoint
+that records none resumes on the defaults, said before any work (config/resume_moved.py).
 
 Which layout a resume runs is config/layout.py's rule (it calls this with `layout_given`). Pure
 config logic (no torch), used by `longctx train`; `load_config` itself builds exactly what it is
@@ -24,6 +26,7 @@ from ..errors import ConfigError, UserError
 from .checkpoint_paths import find_checkpoint, latest_checkpoint, manifest_or_empty, resolve_checkpoint
 from .inert_options import STORE_BUILD_KEYS
 from .load import build_config, drop_restated_model_keys, read_raw, to_dict
+from .resume_moved import RunBase, drop_own_paths, recorded_base, recorded_text
 from .resume_source import Origin, refused_note, trained_under
 from .resume_source import show as _show
 from .rules import parse_stages
@@ -43,13 +46,14 @@ DATA_NEUTRAL = {"workers", "dp_balance"}
 
 @dataclass
 class Resumed:
-    run_dir: Path
+    run_dir: Path  # the run whose config.toml is the base (a recorded base: the checkpoint)
     changes: list[str]  # "train.steps 20 -> 30", one per key that differs from the config the checkpoint trained under
-    note: str = ""  # said after them (resume_source.py)
+    note: str = ""  # said after them (resume_source.py, resume_moved.py)
+    base: str = "its saved config.toml"  # what the config is built on
 
     def describe(self) -> str:
         said = ", ".join(self.changes) if self.changes else "nothing changed"
-        return f"resume: {self.run_dir} with its saved config.toml; {said}" + (f" ({self.note})" if self.note else "")
+        return f"resume: {self.run_dir} with {self.base}; {said}" + (f" ({self.note})" if self.note else "")
 
 
 def saved_run_dir(raw: dict) -> Path | None:
@@ -57,24 +61,46 @@ def saved_run_dir(raw: dict) -> Path | None:
     train.run_dir when it holds one; else the run of the checkpoint to resume (PATH, or for `auto` the
     newest in checkpoint.dir or <train.run_dir>/checkpoints): the run directory above it
     (`<run>/checkpoints/step-N`), or the one its manifest names (a checkpoint.dir outside the run's)."""
-    resume = raw.get("checkpoint", {}).get("resume", "none")
-    if resume == "none":
+    if raw.get("checkpoint", {}).get("resume", "none") == "none":
         return None
     given = raw.get("train", {}).get("run_dir")
     if given and (Path(given) / "config.toml").is_file():
         return Path(given)
-    if resume == "auto":
-        root = raw.get("checkpoint", {}).get("dir") or (Path(given) / "checkpoints" if given else None)
-        target = latest_checkpoint(Path(root)) if root else None
-        if target is None:
-            return None
-    else:  # (a checkpoints directory, or its `latest` pointer: the step it names, whose manifest names the run)
-        target = find_checkpoint(resume) or Path(resume)
+    target = resume_checkpoint(raw)
+    if target is None:
+        return None
     path = target.resolve()
     for parent in [path, *path.parents][:4]:
         if (parent / "config.toml").is_file():
             return parent
     return manifest_run_dir(path)
+
+
+def resume_checkpoint(raw: dict) -> Path | None:
+    """The checkpoint a raw config's checkpoint.resume names: PATH, or for `auto` the newest in checkpoint.dir or
+    <train.run_dir>/checkpoints (None: not a resume, or no checkpoint there)."""
+    resume = raw.get("checkpoint", {}).get("resume", "none")
+    given = raw.get("train", {}).get("run_dir")
+    if resume == "none":
+        return None
+    if resume == "auto":
+        root = raw.get("checkpoint", {}).get("dir") or (Path(given) / "checkpoints" if given else None)
+        return latest_checkpoint(Path(root)) if root else None
+    # (a checkpoints directory, or its `latest` pointer: the step it names, whose manifest names the run)
+    return find_checkpoint(resume) or Path(resume)
+
+
+def run_base(given: dict) -> RunBase | None:
+    """What a resume continues: the run's saved config.toml (saved_run_dir), else the config its checkpoint
+    recorded (resume_moved.py); None: not a resume, or neither is found (the defaults run, said by the caller)."""
+    run_dir = saved_run_dir(given)
+    if run_dir is not None:
+        return RunBase(read_raw(run_dir / "config.toml", saved_run=True), run_dir, run_dir)
+    target = resume_checkpoint(given)
+    text = recorded_text(target)
+    if text is None:
+        return None
+    return recorded_base(read_raw(f"the config {target} recorded", text=text, saved_run=True), given, target)
 
 
 def manifest_run_dir(checkpoint: Path) -> Path | None:
@@ -113,13 +139,14 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
     with the file and command line on top (and the layout wholly the command line's when
     `layout_given`); otherwise exactly the file and command line."""
     given = read_raw(path, overrides)
-    run_dir = saved_run_dir(given)
-    if run_dir is None:
+    run = run_base(given)
+    if run is None:
         return build_config(given), None
     # (its sub-tables, such as [model.moe], flattened as given ones are; keys renamed since it was written,
     # config/fields.py RENAMED_KEYS, read under their new names)
-    saved = _without_ignored_build_keys(read_raw(run_dir / "config.toml", saved_run=True))
+    saved = _without_ignored_build_keys(run.saved)
     base = _merge(saved, {})
+    moved = drop_own_paths(base, given) if run.checkpoint else ""  # (where the old run wrote: this run's own)
     # (asked of this resume alone: a saved true, from an earlier resume's flag, let every later one change anything)
     base.get("checkpoint", {}).pop("allow_changes", None)
     if "preset" in given.get("model", {}) and "model" in base:  # (its full listing would keep the saved model)
@@ -134,26 +161,38 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
     try:  # (first: a key it holds that this version lacks was said as if the command line had given it)
         run_file = to_dict(build_config(saved))
     except ConfigError as e:
-        raise ConfigError(f"the saved config of the run to resume, {run_dir / 'config.toml'}, no longer loads: "
-                          f"{e} Edit that file to what this version accepts (`longctx train --print-config` lists "
-                          f"every key), or start a new run from its weights with --model.init_from "
-                          f"{run_dir / 'checkpoints'}.") from None
+        raise _no_longer_loads(run, e) from None
     merged = _merge(base, given)
-    merged.setdefault("train", {})["run_dir"] = given.get("train", {}).get("run_dir") or str(run_dir)
+    if run.checkpoint is None:
+        merged.setdefault("train", {})["run_dir"] = given.get("train", {}).get("run_dir") or str(run.run_dir)
     cfg = build_config(merged)
     after = to_dict(cfg)
     # (what the checkpoint trained under, which a rollback past an edited resume no longer finds in config.toml)
-    origin = trained_under(resumed_manifest(cfg, run_dir), run_file, _recorded_config, run_dir)
+    origin = trained_under(resumed_manifest(cfg, run.run_dir), run_file, _recorded_config, run.run_dir)
     before = origin.config
     diffs = _differences(before, after)
-    _refuse_another_seed(diffs, cfg, run_dir)
-    _refuse_other_weights(before["model"], after["model"], cfg, run_dir)
-    _refuse_unasked(diffs, cfg, run_dir, origin)
-    _refuse_replanned_stages(before["train"], cfg, run_dir, origin)
+    _refuse_another_seed(diffs, cfg, run)
+    _refuse_other_weights(before["model"], after["model"], cfg, run.named)
+    _refuse_unasked(diffs, cfg, run, origin)
+    _refuse_replanned_stages(before["train"], cfg, run, origin)
     later = origin.later(diffs)
     changes = [f"{s}.{k} {_show(a)} -> {_show(b)}" + (f" ({origin.from_run_file()})" if (s, k) in later else "")
                for s, k, a, b in diffs]
-    return cfg, Resumed(run_dir, changes + origin.restored(after, NOT_SETTINGS), origin.note)
+    note = "; ".join(n for n in (origin.note, moved) if n)
+    return cfg, Resumed(run.named, changes + origin.restored(after, NOT_SETTINGS), note, run.said)
+
+
+def _no_longer_loads(run: RunBase, e: ConfigError) -> ConfigError:
+    if run.checkpoint is None:
+        return ConfigError(f"the saved config of the run to resume, {run.run_dir / 'config.toml'}, no longer loads: "
+                           f"{e} Edit that file to what this version accepts (`longctx train --print-config` lists "
+                           f"every key), or start a new run from its weights with --model.init_from "
+                           f"{run.run_dir / 'checkpoints'}.")
+    return ConfigError(f"the config {run.checkpoint} recorded, the base of this resume (the run's config.toml was "
+                       f"not found), no longer loads: {e} Write it (its manifest's \"config\") to "
+                       f"{run.checkpoint.resolve().parent / 'config.toml'}, edited to what this version accepts, "
+                       f"which the resume then reads as the run's config.toml; or start a new run from its weights "
+                       f"with --model.init_from {run.checkpoint}.")
 
 
 def _recorded_config(text: str) -> dict:
@@ -173,20 +212,20 @@ def _follow_another_target(base: dict, given: dict) -> None:
         model.pop("init_from")
 
 
-def _refuse_another_seed(diffs: list, cfg: Config, run_dir: Path) -> None:
+def _refuse_another_seed(diffs: list, cfg: Config, run: RunBase) -> None:
     """A checkpoint's data position is a cursor into the order its seed drew: another train.seed would repeat
     samples and skip others (data/loader.py refuses it when the position loads, after the ranks, the model
     and the data have started). Refused here, before any of that, whenever there is a checkpoint to load."""
     change = next((d for d in diffs if d[:2] == ("train", "seed")), None)
     if change is None or cfg.checkpoint.resume == "none":
         return
-    root = checkpoint_root(cfg, run_dir)
+    root = checkpoint_root(cfg, run.run_dir)
     if cfg.checkpoint.resume == "auto" and latest_checkpoint(root) is None:
         return  # (nothing to resume: the run starts afresh under the new seed)
-    raise ConfigError(f"this resume of {run_dir} would change train.seed {change[2]} -> {change[3]}: its checkpoint's "
-                      f"data order was drawn with seed {change[2]}, and another would repeat some samples and skip "
-                      f"others. Resume with --train.seed {change[2]}, or start a new run from its weights with "
-                      f"--model.init_from {root}.")
+    raise ConfigError(f"this resume of {run.named} would change train.seed {change[2]} -> {change[3]}: its "
+                      f"checkpoint's data order was drawn with seed {change[2]}, and another would repeat some samples "
+                      f"and skip others. Resume with --train.seed {change[2]}, or start a new run from its weights "
+                      f"with --model.init_from {run.checkpoint or root}.")
 
 
 def _other_length(diffs: list, cfg: Config) -> list:
@@ -242,7 +281,7 @@ def resumed_manifest(cfg: Config, run_dir: Path) -> dict:
     return manifest_or_empty(target) if target is not None else {}
 
 
-def _refuse_replanned_stages(saved_train: dict, cfg: Config, run_dir: Path, origin: Origin) -> None:
+def _refuse_replanned_stages(saved_train: dict, cfg: Config, run: RunBase, origin: Origin) -> None:
     """train.stages edited so that the steps the checkpoint trained, or the stage it continues in, belong to
     other stages than they did. The data position a checkpoint saves is a cursor in its stage's store, applied
     only when the run goes on in that same stage (train/stages.py): a stage inserted before it, its length
@@ -254,7 +293,7 @@ def _refuse_replanned_stages(saved_train: dict, cfg: Config, run_dir: Path, orig
     if not staged or cfg.checkpoint.allow_changes or cfg.checkpoint.resume == "none":
         return
     old, new = _stage_plan(saved_train), _stage_plan(to_dict(cfg)["train"])
-    if old == new or not (step := int(resumed_manifest(cfg, run_dir).get("step") or 0)):
+    if old == new or not (step := int(resumed_manifest(cfg, run.run_dir).get("step") or 0)):
         return
     for i, (seq_len, first, last, batch) in enumerate(old):
         if first > step:
@@ -277,7 +316,7 @@ def _refuse_replanned_stages(saved_train: dict, cfg: Config, run_dir: Path, orig
         if ("train", "stages") in origin.later([("train", "stages", saved_train["stages"], cfg.train.stages)]):
             edit += f" ({origin.from_run_file()})"
         raise ConfigError(
-            f"this resume of {run_dir} continues from step {step}, but train.stages {edit} moves the steps it "
+            f"this resume of {run.named} continues from step {step}, but train.stages {edit} moves the steps it "
             f"trained: stage {i + 1} ({_spelled(seq_len, last - first + 1, batch)!r}, steps {first}-{last} at "
             f"{seq_len:,} tokens, {'finished' if finished else f'trained through step {step}'})"
             f" {at}; {why}. Keep the stages through step {step} as they ran (train.stages beginning {keep!r}, its "
@@ -285,7 +324,7 @@ def _refuse_replanned_stages(saved_train: dict, cfg: Config, run_dir: Path, orig
             f"--checkpoint.allow_changes true to resume with the new stages anyway.")
 
 
-def _refuse_unasked(diffs: list, cfg: Config, run_dir: Path, origin: Origin) -> None:
+def _refuse_unasked(diffs: list, cfg: Config, run: RunBase, origin: Origin) -> None:
     """Changes a resume makes only when asked: the model, the data, saving turned off; those that come from the run's
     config.toml (changed after the checkpoint was saved) said so, with the way to give the checkpoint's back."""
     if cfg.checkpoint.allow_changes:
@@ -306,8 +345,8 @@ def _refuse_unasked(diffs: list, cfg: Config, run_dir: Path, origin: Origin) -> 
     said = "; ".join(f"{what}: " + ", ".join(f"{s}.{k} {_show(a)} -> {_show(b)}" + (source if (s, k) in later else "")
                                              for s, k, a, b in ds) for what, ds in found.items())
     fresh = ("a new draft run in another --train.run_dir" if cfg.draft.target else  # (a draft is no init_from)
-             f"a new run from its weights with --model.init_from {run_dir / 'checkpoints'}")
+             f"a new run from its weights with --model.init_from {run.checkpoint or run.run_dir / 'checkpoints'}")
     raise ConfigError(
-        f"this resume of {run_dir} would change {said}. A resume continues the run with its saved settings, so "
+        f"this resume of {run.named} would change {said}. A resume continues the run with its saved settings, so "
         f"this is refused unless asked for: add --checkpoint.allow_changes true to do it anyway, or start {fresh}."
         + refused_note([d for ds in found.values() for d in ds if d[:2] in later], origin))
