@@ -177,6 +177,9 @@ class StagedLoader:
         # seq_len -> where its store's order stands after the stages of that length left so far (what the run drew);
         # None: unknown (a position saved before it was recorded): the plan's drawn_before
         self.cursors: dict[int, int] | None = {}
+        # seq_len -> the whole data position where its store was left (the stage left in this process, or the loaded
+        # position's stage): what a later stage of that length goes on from, a mix's counts and keys with the cursor
+        self._left: dict[int, dict] = {}
 
     def stage_of(self, step: int) -> Stage:
         return next((s for s in self.stages if s.first_step <= step <= s.last_step), self.stages[-1])
@@ -197,8 +200,10 @@ class StagedLoader:
         if stage == self.stage:
             return False
         self._drop_ahead()
-        if self.stage is not None and self.loader is not None and self.cursors is not None:
-            self.cursors[self.stage.seq_len] = self.loader.order.cursor  # (the stage left: where it left its store)
+        if self.stage is not None and self.loader is not None:
+            self._left[self.stage.seq_len] = self.loader.state_dict()
+            if self.cursors is not None:
+                self.cursors[self.stage.seq_len] = self.loader.order.cursor  # (the stage left: where it left its store)
         cfg = self.cfg
         self.stage = stage
         self.train_samples, self.eval_samples = self.build_data(stage_config(cfg, stage))
@@ -214,9 +219,24 @@ class StagedLoader:
         elif drawn := self._drawn_before(stage, step):
             # the store of an earlier stage of this length: its order goes on past what they trained on (from its
             # first sample, this stage trained on their samples again, in the same order)
-            self.loader.order.load_state_dict({"cursor": drawn})
+            self._go_on(stage, step, drawn)
         self._saved = None
         return True
+
+    def _go_on(self, stage: Stage, step: int, drawn: int) -> None:
+        """Start `stage` at `drawn` in its store's order: from the whole position where an earlier stage of its
+        length left that store, where it is known and at that cursor (a mix goes on with its schedule, each store
+        from its count in its own permutation: data/store_mix.py; the position of a checkpoint at a stage's last
+        step is checked against the store, as inside a stage), else from the cursor alone. A mix's stores are all
+        of one length, so a run whose stages change its batch reads the same stores in each: taken up from the cursor
+        in a mix built afresh (its schedule from position 0, its stores' permutations by place), a mix edited on a
+        resume gave each store other counts and another order there, repeating samples and skipping others."""
+        left = self._left.get(stage.seq_len) if step == stage.first_step else None
+        if left is not None and int(left.get("cursor", -1)) == drawn:
+            changed = self.loader.load_state_dict(left, allow_changes=self.cfg.checkpoint.allow_changes)
+            self.position_note = " ".join(n for n in (self.position_note, changed) if n) or None
+        else:
+            self.loader.order.load_state_dict({"cursor": drawn})
 
     def _drawn_before(self, stage: Stage, step: int) -> int:
         """Where `stage`, entered at `step` with no position of its own, starts in its store's order: where the
@@ -307,6 +327,10 @@ class StagedLoader:
         self._resumed_stage = int(state.get("stage", 0))
         saved = state.get("cursors")
         self.cursors = None if saved is None else {int(length): int(cursor) for length, cursor in saved}
+        # (where the position's stage left its store: a later stage of its length goes on from it, _go_on)
+        own = self.stages[self._resumed_stage] if 0 <= self._resumed_stage < len(self.stages) else None
+        self._left = {} if own is None else {own.seq_len: {k: v for k, v in state.items() if k not in ("stage",
+                                                                                                      "cursors")}}
         if self.stage is None:
             return
         if self._resumed_stage == self.stage.index:
