@@ -136,3 +136,19 @@ def test_a_rollback_past_an_allowed_stage_edit_is_refused_as_a_direct_resume_is(
     with pytest.raises(ConfigError, match=r"train.stages '32:2,64:2' -> '16:2,64:2' \(the run's config.toml, changed "
                                           r"after step 1\) moves the steps it trained"):
         _rollback(run)
+
+
+def test_a_change_the_command_line_gives_is_not_said_to_come_from_config_toml(edited):
+    """The command line giving config.toml's own value: the change is this command's (said plainly, and the refusal
+    says nothing of config.toml for it); one it does not give is still config.toml's."""
+    with pytest.raises(ConfigError) as e:
+        _rollback(edited, "--model.norm_eps=1e-06")
+    message = str(e.value)
+    assert "model.norm_eps 1e-05 -> 1e-06;" in message or "model.norm_eps 1e-05 -> 1e-06." in message, message
+    assert f"data.doc_mask true -> false {FROM_RUN_FILE}" in message
+    assert "--model.norm_eps=1e-05" not in message and "--data.doc_mask=true" in message
+    _, resumed = _rollback(edited, "--model.norm_eps=1e-06", "--train.global_batch=4",
+                           "--checkpoint.allow_changes=true")
+    said = resumed.describe()
+    assert "model.norm_eps 1e-05 -> 1e-06," in said and "train.global_batch 2 -> 4," in said, said
+    assert f"train.steps 2 -> 3 {FROM_RUN_FILE}" in said

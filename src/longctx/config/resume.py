@@ -169,6 +169,9 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
     after = to_dict(cfg)
     # (what the checkpoint trained under, which a rollback past an edited resume no longer finds in config.toml)
     origin = trained_under(resumed_manifest(cfg, run.run_dir), run_file, _recorded_config, run.run_dir)
+    # (a key given here, or not read from config.toml, is no change config.toml carries)
+    origin.given = {(s, k) for s, values in after.items() for k in values
+                    if k in given.get(s, {}) or k not in base.get(s, {})}
     before = origin.config
     diffs = _differences(before, after)
     _refuse_another_seed(diffs, cfg, run)

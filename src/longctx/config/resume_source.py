@@ -30,11 +30,15 @@ class Origin:
     step: int = 0  # the checkpoint's step, when `config` is its own record (0: it is config.toml's)
     run_file: dict = field(default_factory=dict)  # config.toml's, when it differs from the checkpoint's
     note: str = ""  # said with the changes (a record that no longer loads)
+    # {(section, key)} the resume does not take from config.toml: given (a --config file, the command line, the
+    # layout it completes) or dropped from the base (train.steps and seq_len under given stages)
+    given: set = field(default_factory=set)
 
     def later(self, diffs: list) -> set[tuple[str, str]]:
-        """The changes of `diffs` (section, key, checkpoint's, now) that the run's config.toml carries: it holds the
-        value the resume runs, and the checkpoint trained under another."""
-        return {(s, k) for s, k, _, now in diffs if self.run_file and self.run_file[s][k] == now}
+        """The changes of `diffs` (section, key, checkpoint's, now) that come from the run's config.toml: it holds the
+        value the resume runs, the checkpoint trained under another, and this command did not give it."""
+        return {(s, k) for s, k, _, now in diffs
+                if self.run_file and self.run_file[s][k] == now and (s, k) not in self.given}
 
     def from_run_file(self) -> str:
         return f"the run's config.toml, changed after step {self.step}"
