@@ -86,3 +86,16 @@ def test_a_mix_never_edited_draws_as_before(stores):
     for s in range(3):
         want = np.random.default_rng([0, 0x4D4958, s, 0]).permutation(len(mix.stores[s]))
         assert (mix._permutation(s, 0) == want).all()
+
+
+def test_a_record_it_cannot_read_leaves_the_keys_as_they_were(stores):
+    """continue_from reads everything of the record before the mix changes: one without its counts at the cursor
+    (damaged) raises and the mix draws on as before, its keys included."""
+    mix = store_mix([stores[n] for n in NAMES], (0.3, 0.5, 0.2))
+    record = mix.blend_position(CURSOR)
+    before = _per_store(mix, NAMES, CURSOR, 200)
+    damaged = {k: v for k, v in record.items() if k != "given"} | {"keys": [2, 0, 1]}
+    with pytest.raises(KeyError):
+        mix.continue_from(CURSOR, damaged, same=True)
+    assert mix.blend_position(CURSOR)["keys"] == [0, 1, 2]
+    assert _per_store(mix, NAMES, CURSOR, 200) == before

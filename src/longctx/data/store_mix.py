@@ -225,11 +225,11 @@ class StoreMix(SampleSet):
         taken = [mine if mine is not None else other for mine, other in zip(own, rebuilt)]
         start = [0 if i is None else int(entries[i][1]) for i in taken]
         keys = _kept_keys(taken, record.get("keys") or list(range(len(entries))))
-        if keys != self._keys:
-            self._keys, self._perms = keys, {}
         # (on the same mix the record's lists follow the mix's stores: the counts at the cursor are known too)
         in_order = same and [ident for ident, _ in record["given"]] == ids == [ident for ident, _ in record["start"]]
         known = [int(g) - n for (_, g), n in zip(record["given"], start)] if in_order and cursor >= first else None
+        if keys != self._keys:
+            self._keys, self._perms = keys, {}
         # the schedule known so far stands (a rollback's, a read-ahead dropped) unless this position falls before it
         if ((first, start) != (self._first, self._start) or not len(self._choice)
                 or cursor - first < self._origin):
