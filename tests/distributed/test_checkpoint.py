@@ -8,6 +8,7 @@ resumes); each configuration keeps its own run directory, and the tests check th
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -105,7 +106,8 @@ def halves(tmp_path_factory):
     First job: resume first halves (`first A B`), the async saves (`async`), the damaged run's first
     half (`damaged first`); single-process first halves run here too. Between: the latest checkpoint
     of the damaged run gets its flipped byte. Second job: resumes under B (`second A B`; a
-    single-process B is its test's), the damaged run's auto-resume (`damaged auto`, logged)."""
+    single-process B is its test's), the damaged run's auto-resume (`damaged auto`, logged). A first half
+    under DAMAGED's layout is not trained again: it is the damaged run's, copied before the byte is flipped."""
     base = tmp_path_factory.mktemp("halves")
     dirs = {f"{a} {b}": base / f"{a}-to-{b}" for a, b in RESUMES}
     dirs |= {"async": base / "async", "damaged": base / "damaged"}
@@ -113,7 +115,8 @@ def halves(tmp_path_factory):
     def job(key, layout, args, run_dir, fn=_train):  # run_layout(layout, args, run_dir, fn) as a job
         return key, fn, ([*LAYOUTS[layout][1], *args], str(run_dir))
 
-    first = [job(f"first {a} {b}", a, SAVE, dirs[f"{a} {b}"]) for a, b in RESUMES if a != "single"]
+    # (a first half under DAMAGED is the damaged run's own first half, the same run: copied before the damage)
+    first = [job(f"first {a} {b}", a, SAVE, dirs[f"{a} {b}"]) for a, b in RESUMES if a not in ("single", DAMAGED)]
     first += [job("async", "dp2-ctx2", ["--checkpoint.interval=2", "--checkpoint.keep=2", "--checkpoint.async=true"],
                   dirs["async"]),
               job("damaged first", DAMAGED, SAVE, dirs["damaged"])]
@@ -121,6 +124,9 @@ def halves(tmp_path_factory):
     for a, b in RESUMES:
         if a == "single":
             results[f"first {a} {b}"] = run_layout(a, SAVE, dirs[f"{a} {b}"])
+        elif a == DAMAGED:
+            shutil.copytree(dirs["damaged"], dirs[f"{a} {b}"])
+            results[f"first {a} {b}"] = results["damaged first"]
     results["damaged shard"] = flip_last_shard(dirs["damaged"], LAYOUTS[DAMAGED][0])
     second = [job(f"second {a} {b}", b, _resume_args(dirs[f"{a} {b}"]), dirs[f"{a} {b}"]) for a, b in RESUMES
               if b != "single"]

@@ -282,18 +282,18 @@ def _speculate_penalised(head: int, ctx: int):
 
 
 @pytest.mark.slow
-def test_a_request_draws_its_own_tokens_under_head2_ctx2():
+def test_a_request_draws_its_own_tokens_under_head2_ctx2(layouts):
     """Every rank of head 2 x ctx 2 draws one process's tokens for each request, and A's are the same
     alone, in a batch of three, and as sample 0 of two (sample 1 differs). Greedy speculation with the
-    penalties on the sharded cache is one process's plain greedy decoding with them."""
+    penalties on the sharded cache is one process's plain greedy decoding with them. (Both run in the
+    module's 4-rank job: their own job started 4 more ranks for two functions.)"""
     from longctx.generate.engine import generate
     from longctx.generate.sampling import Sampling
-    from longctx.job.spawn import run_spawned_many
 
     want_alone, want_together, want_samples = _seeded(1, 1)
     assert want_alone == want_together == want_samples[2] and len(want_alone) == NEW
     assert want_samples[3] != want_samples[2]
-    got = run_spawned_many(4, [("seeded", _seeded, (2, 2)), ("speculate", _speculate_penalised, (2, 2))])
+    got = {"seeded": layouts[("seeded", (2, 2))], "speculate": layouts[("speculate penalised", (2, 2))]}
     for alone, together, samples in got["seeded"]:
         assert alone == want_alone and together == want_together and samples == want_samples
     plain = generate(_model("dense"), [_prompt(1000, seed=4)], max_new_tokens=NEW,
@@ -310,6 +310,8 @@ FOUR[("cape", (2, 2))] = (_speculate, (2, 2, True))
 FOUR[("glide", (2, 2))] = (_speculate, (2, 2, False, True))
 FOUR[("glide proposals", (2, 2))] = (_glide_proposals, (2, 2))
 FOUR[("read", (2, 2))] = (_read, (2, 2, READS[(2, 2)]))
+FOUR[("seeded", (2, 2))] = (_seeded, (2, 2))
+FOUR[("speculate penalised", (2, 2))] = (_speculate_penalised, (2, 2))
 TWO = {(case, (2, 1)): (_generate, (case, 2, 1)) for case in CASES}
 TWO[("speculate", (1, 2))] = (_speculate, (1, 2))
 TWO[("cape", (1, 2))] = (_speculate, (1, 2, True))

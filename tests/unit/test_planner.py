@@ -155,8 +155,8 @@ def test_candidates_respect_heads_and_divisibility():
 
 def fastest_by_brute_force(req):
     """The least predicted step time of any feasible plan among ALL runnable plain-ring layouts (every
-    dp_replicate x dp_shard x head x ctx = gpus that the layout checks accept, both placements),
-    every policy and micro-batch of the request: no pruning, no candidate generator of the planner."""
+    dp_replicate x dp_shard x head x ctx = gpus the layout checks accept, both placements where head, ctx > 1: else
+    one estimate, shape.py group_is_intra_node), every policy and micro-batch: no pruning, no candidate generator."""
     from longctx.errors import ConfigError
     from longctx.job.checks import check_divisible, check_heads
     from longctx.planner.search import divisors, policies
@@ -173,7 +173,7 @@ def fastest_by_brute_force(req):
                     continue
                 if req.global_batch % (r * s):
                     continue
-                for placement in ("head-first", "ctx-first"):
+                for placement in ("head-first", "ctx-first") if h > 1 and c > 1 else ("head-first",):
                     shape = MeshShape(r, s, h, c, 0, placement)
                     for mb in req.micro_batches:
                         if (req.global_batch // (r * s)) % mb:
