@@ -6,7 +6,9 @@
 - A resume keeps the saved run's layout, on as many ranks as wrote the checkpoint, unless the
   command line names a layout degree or `--nproc`; then the layout is wholly the command line's
   (degrees mixed from two layouts would not multiply to the new world), completed by
-  `default_layout` exactly as for a new run.
+  `default_layout` exactly as for a new run. The saved layout is config.toml's where it is the one
+  the checkpoint was written under; a rollback past a resume that changed it keeps the checkpoint's
+  own, with its ranks, and says so (config/resume_layout.py).
 
 `resolve_layout` applies the rule once and returns the config the ranks run, the overrides that
 rebuild it under the launcher, and the resume's changes computed against that final config, so what
@@ -21,11 +23,10 @@ from pathlib import Path
 
 from .load import parse_overrides, read_raw
 from .resume import LAYOUT_KEYS, Resumed, load_run_config, resume_checkpoint
+from .resume_layout import SPELLED, kept_layout
 from .resume_moved import unfound_line
 from .rules import head_fits
 from .schema import Config, ParallelConfig
-
-SPELLED = ("dp_replicate", "dp_shard", "head", "ctx")  # the degrees that multiply to the world
 
 
 def default_layout(nproc: int, heads: int = 0, kv_heads: int = 0) -> dict[str, int]:
@@ -82,6 +83,11 @@ def resolve_layout(path: str | Path | None, overrides: Sequence[str], nproc: int
     raw = read_raw(path, overrides)
     named = bool(nproc) or any(k in raw.get("parallel", {}) for k in LAYOUT_KEYS)
     cfg, resumed = load_run_config(path, overrides, layout_given=named)
+    kept = kept_layout(cfg, world) if resumed is not None and not named else None
+    if kept is not None:  # (a rollback past a resume that changed the layout: its checkpoint's, on its ranks)
+        overrides = [*overrides, *kept.overrides]
+        cfg, resumed = load_run_config(path, overrides, layout_given=True)
+        resumed, nproc = kept.say(resumed), kept.nproc
     if world:
         nproc = world
     else:

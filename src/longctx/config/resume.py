@@ -168,7 +168,7 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
     cfg = build_config(merged)
     after = to_dict(cfg)
     # (what the checkpoint trained under, which a rollback past an edited resume no longer finds in config.toml)
-    origin = trained_under(resumed_manifest(cfg, run.run_dir), run_file, _recorded_config, run.run_dir)
+    origin = trained_under(resumed_manifest(cfg, run.run_dir), run_file, recorded_config, run.run_dir)
     # (a key given here, or not read from config.toml, is no change config.toml carries)
     origin.given = {(s, k) for s, values in after.items() for k in values
                     if k in given.get(s, {}) or k not in base.get(s, {})}
@@ -198,7 +198,7 @@ def _no_longer_loads(run: RunBase, e: ConfigError) -> ConfigError:
                        f"with --model.init_from {run.checkpoint}.")
 
 
-def _recorded_config(text: str) -> dict:
+def recorded_config(text: str) -> dict:
     """A checkpoint's record of its run's config.toml (its manifest's "config"), loaded as config.toml is."""
     raw = read_raw("the checkpoint's recorded config", text=text, saved_run=True)
     return to_dict(build_config(_without_ignored_build_keys(raw)))
