@@ -55,6 +55,16 @@ def resume_candidates(root: Path) -> list[Path]:
     return [] if first is None else trajectory(root, first)
 
 
+def auto_checkpoint(root: Path) -> Path | None:
+    """The checkpoint `--checkpoint.resume auto` loads, as far as manifests tell: the first of resume_candidates
+    whose manifest reads (the checkpoint manager skips one that does not, as damaged, and loads the one before it;
+    one whose files are damaged only their checksums tell, when it loads). Else the newest (None: none), whose
+    damage preflight and the load say. The config, layout and ranks of a resume are read from this one, where the
+    newest's unreadable manifest gave none: the defaults ran with no word on a recorded base (config.toml gone)."""
+    candidates = resume_candidates(root)
+    return next((p for p in candidates if manifest_or_empty(p)), candidates[0] if candidates else None)
+
+
 def trajectory(root: Path, newest: Path) -> list[Path]:
     """`newest` and the complete checkpoints of root it descends from, newest first: each manifest names its
     `parent` (the checkpoint the run saved or loaded last before it: name and manifest checksum), followed
@@ -85,12 +95,12 @@ def manifest_or_empty(path: Path) -> dict:
 
 
 def resolve_checkpoint(spec: str, root: Path) -> Path | None:
-    """'auto' -> latest complete checkpoint under root (None if there is none); a path -> that checkpoint
+    """'auto' -> the checkpoint auto loads (auto_checkpoint; None if there is none); a path -> that checkpoint
     (a checkpoints directory, or its `latest` pointer file, means its latest)."""
     if spec == "none":
         return None
     if spec == "auto":
-        return latest_checkpoint(root)
+        return auto_checkpoint(root)
     path = Path(spec)
     if (path / MANIFEST).is_file():
         return path

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, UserError
-from .checkpoint_paths import find_checkpoint, latest_checkpoint, manifest_or_empty, resolve_checkpoint
+from .checkpoint_paths import auto_checkpoint, find_checkpoint, latest_checkpoint, manifest_or_empty, resolve_checkpoint
 from .inert_options import STORE_BUILD_KEYS
 from .load import build_config, drop_restated_model_keys, read_raw, to_dict
 from .resume_moved import RunBase, drop_own_paths, recorded_base, recorded_text
@@ -77,7 +77,7 @@ def saved_run_dir(raw: dict) -> Path | None:
 
 
 def resume_checkpoint(raw: dict) -> Path | None:
-    """The checkpoint a raw config's checkpoint.resume names: PATH, or for `auto` the newest in checkpoint.dir or
+    """The checkpoint a raw config's checkpoint.resume names: PATH, or for `auto` the one it loads in checkpoint.dir or
     <train.run_dir>/checkpoints (None: not a resume, or no checkpoint there)."""
     resume = raw.get("checkpoint", {}).get("resume", "none")
     given = raw.get("train", {}).get("run_dir")
@@ -85,7 +85,7 @@ def resume_checkpoint(raw: dict) -> Path | None:
         return None
     if resume == "auto":
         root = raw.get("checkpoint", {}).get("dir") or (Path(given) / "checkpoints" if given else None)
-        return latest_checkpoint(Path(root)) if root else None
+        return auto_checkpoint(Path(root)) if root else None
     # (a checkpoints directory, or its `latest` pointer: the step it names, whose manifest names the run)
     return find_checkpoint(resume) or Path(resume)
 
@@ -160,7 +160,7 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
             base.get("parallel", {}).pop(key, None)
     try:  # (first: a key it holds that this version lacks was said as if the command line had given it)
         run_file = to_dict(build_config(saved))
-    except ConfigError as e:
+    except UserError as e:  # (ConfigError; or a path it reads gone, model.init_from: the record of another machine)
         raise _no_longer_loads(run, e) from None
     merged = _merge(base, given)
     if run.checkpoint is None:
@@ -185,7 +185,7 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
     return cfg, Resumed(run.named, changes + origin.restored(after, NOT_SETTINGS), note, run.said)
 
 
-def _no_longer_loads(run: RunBase, e: ConfigError) -> ConfigError:
+def _no_longer_loads(run: RunBase, e: UserError) -> ConfigError:
     if run.checkpoint is None:
         return ConfigError(f"the saved config of the run to resume, {run.run_dir / 'config.toml'}, no longer loads: "
                            f"{e} Edit that file to what this version accepts (`longctx train --print-config` lists "

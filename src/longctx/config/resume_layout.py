@@ -12,7 +12,8 @@ that multiply to the world, and also parallel.window (it divides ctx), parallel.
 the ranks) and parallel.expert (folded over the same ranks, it must divide them): each is part of how the checkpoint
 ran, and one taken from another layout may not fit these degrees. It is read from the config the checkpoint recorded
 (its manifest's "config"), else from its manifest's "layout" (the degrees as they ran, with the world); a checkpoint
-with neither, or whose record gives no world, keeps the rule as it was (config.toml's layout, its ranks).
+with neither, or whose record gives no world, keeps the rule as it was (config.toml's layout, its ranks); the keys a
+manifest of before checkpoints recorded them lacks (expert, window, placement) stay config.toml's.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import UserError
 from .resume import LAYOUT_KEYS, Resumed, recorded_config, resumed_manifest
 from .resume_source import show
 from .schema import Config, ParallelConfig
@@ -85,7 +86,7 @@ def written_layout(manifest: dict, load: Callable[[str], dict] = recorded_config
         try:
             parallel = load(text)["parallel"]
             return Written({k: parallel[k] for k in LAYOUT_KEYS}, layout["world"], step)
-        except ConfigError:
+        except UserError:  # (ConfigError; or a path it reads gone since: hf.py's)
             pass  # (a record that no longer loads: its manifest's layout, as it ran)
     if not all(k in layout for k in SPELLED):
         return None
@@ -127,4 +128,22 @@ def kept_layout(cfg: Config, world: int | None) -> Kept | None:
     line = (f"{said} (the run's config.toml, changed after step {written.step}) not applied: step {written.step} "
             f"runs the layout it was written under, {written.said()} (written back to config.toml); name a degree or "
             f"--nproc to run another")
-    return Kept(written.overrides(), written.world, line)
+    unrecorded, unfit = _unrecorded(now, written, ran)
+    return Kept([*written.overrides(), *unrecorded], written.world, line + unfit)
+
+
+def _unrecorded(now: dict, written: Written, ran: dict) -> tuple[list[str], str]:
+    """The flags for the keys a manifest of before checkpoints recorded them lacks (parallel.expert, window,
+    placement): config.toml's, as before the kept layout (its flags name the whole layout, and the defaults ran for
+    them with no word), each where it fits the kept degrees, else its default, said (what is added to the line)."""
+    fits = {"window": lambda v: not v or ran["ctx"] % v == 0, "expert": lambda v: written.world % v == 0}
+    default, flags, unfit = ParallelConfig(), [], []
+    for k in (k for k in LAYOUT_KEYS if k not in written.degrees):
+        value = now[k] if fits.get(k, lambda v: True)(now[k]) else getattr(default, k)
+        flags.append(f"--parallel.{k}={value}")
+        if value != now[k]:
+            unfit.append(f"parallel.{k} {show(now[k])} -> {show(value)}")
+    if not unfit:
+        return flags, ""
+    return flags, (f"; {', '.join(unfit)}: step {written.step}'s manifest does not record it, and config.toml's "
+                   f"does not fit {written.said()}")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import UserError
 
 
 @dataclass
@@ -70,7 +70,7 @@ def trained_under(manifest: dict, run_file: dict, load: Callable[[str], dict], w
         return Origin(run_file)  # (written before checkpoints recorded their config)
     try:
         recorded = load(text)
-    except ConfigError as e:
+    except UserError as e:  # (ConfigError; or a path it reads gone since, model.init_from moved: hf.py's)
         return Origin(run_file, note=f"step {step}'s recorded config no longer loads ({e}), so the changes are said "
                                      f"against {where / 'config.toml'}")
     return Origin(recorded, step, run_file if recorded != run_file else {})
