@@ -6,7 +6,7 @@ on them)."""
 from __future__ import annotations
 
 import pytest
-from test_planner import _brute_force_doc_work, _store
+from test_planner_doc_work import _brute_force_doc_work, _store
 
 
 def test_store_doc_work_reads_no_tokens(tmp_path, monkeypatch):

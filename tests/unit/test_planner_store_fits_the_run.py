@@ -7,7 +7,7 @@ Refused by the plan, before planning, saying what to change."""
 import argparse
 
 import pytest
-from test_planner import _store
+from test_planner_doc_work import _store
 
 from longctx.errors import ConfigError
 from longctx.planner.cli import add_arguments, build_request
