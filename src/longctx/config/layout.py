@@ -23,9 +23,9 @@ from pathlib import Path
 
 from .load import parse_overrides, read_raw
 from .resume import LAYOUT_KEYS, Resumed, load_run_config, resume_checkpoint
-from .resume_layout import SPELLED, kept_layout
+from .resume_layout import kept_layout
 from .resume_moved import unfound_line
-from .rules import head_fits
+from .rules import DEGREES, head_fits
 from .schema import Config, ParallelConfig
 
 
@@ -53,13 +53,13 @@ def layout_world(cfg: Config) -> int | None:
     """The world a config's layout spells out in full (no degree -1, e.g. a written plan): the
     number of processes to start when --nproc is not given."""
     p = cfg.parallel
-    degrees = [getattr(p, k) for k in SPELLED]
+    degrees = [getattr(p, k) for k in DEGREES]
     return p.dp_replicate * p.dp_shard * p.head * p.ctx if min(degrees) > 0 else None
 
 
 def _unspelled(cfg: Config) -> bool:
     d = ParallelConfig()
-    return all(getattr(cfg.parallel, k) == getattr(d, k) for k in SPELLED)
+    return all(getattr(cfg.parallel, k) == getattr(d, k) for k in DEGREES)
 
 
 @dataclass
@@ -93,7 +93,7 @@ def resolve_layout(path: str | Path | None, overrides: Sequence[str], nproc: int
     else:
         nproc = nproc or (resumed and saved_world(cfg)) or layout_world(cfg) or default_nproc(cfg)
     overrides, note = list(overrides), None
-    if _unspelled(cfg) and not set(SPELLED) & set(parse_overrides(overrides).get("parallel", {})):
+    if _unspelled(cfg) and not set(DEGREES) & set(parse_overrides(overrides).get("parallel", {})):
         layout = default_layout(nproc, cfg.model.heads, cfg.model.kv_heads)
         if layout != default_layout(nproc):
             note = (f"model.heads {cfg.model.heads} (kv {cfg.model.kv_heads}) do not split over a head degree of 2, "

@@ -167,11 +167,10 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
         merged.setdefault("train", {})["run_dir"] = given.get("train", {}).get("run_dir") or str(run.run_dir)
     cfg = build_config(merged)
     after = to_dict(cfg)
-    # (what the checkpoint trained under, which a rollback past an edited resume no longer finds in config.toml)
-    origin = trained_under(resumed_manifest(cfg, run.run_dir), run_file, recorded_config, run.run_dir)
-    # (a key given here, or not read from config.toml, is no change config.toml carries)
-    origin.given = {(s, k) for s, values in after.items() for k in values
-                    if k in given.get(s, {}) or k not in base.get(s, {})}
+    # (what the checkpoint trained under, which a rollback past an edited resume no longer finds in config.toml; a
+    # key given here, or not read from config.toml, is no change config.toml carries)
+    mine = {(s, k) for s, values in after.items() for k in values if k in given.get(s, {}) or k not in base.get(s, {})}
+    origin = trained_under(resumed_manifest(cfg, run.run_dir), run_file, recorded_config, run.run_dir, mine)
     before = origin.config
     diffs = _differences(before, after)
     _refuse_another_seed(diffs, cfg, run)

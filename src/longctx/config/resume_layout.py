@@ -18,17 +18,15 @@ manifest of before checkpoints recorded them lacks (expert, window, placement) s
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
 from .resume import LAYOUT_KEYS, Resumed, recorded_config, resumed_manifest
-from .resume_source import show
+from .resume_source import config_text, show
+from .rules import DEGREES, degree_problems, degrees_on
 from .schema import Config, ParallelConfig
-
-SPELLED = ("dp_replicate", "dp_shard", "head", "ctx")  # the degrees that multiply to the world
 
 
 @dataclass
@@ -46,7 +44,7 @@ class Written:
     def said(self) -> str:
         """`head 2 x ctx 2 on 4 ranks`: the degrees that are not 1, the other keys where not their defaults."""
         ran = on_world(self.degrees, self.world) or self.degrees
-        degrees = " x ".join(f"{k} {ran[k]}" for k in SPELLED if ran[k] != 1)
+        degrees = " x ".join(f"{k} {ran[k]}" for k in DEGREES if ran[k] != 1)
         if not degrees:
             return "1 rank, no parallel degree"
         default = ParallelConfig()
@@ -57,18 +55,14 @@ class Written:
 
 def on_world(degrees: dict, world: int) -> dict | None:
     """`degrees` with its inferred one (-1) worked out on `world` ranks; None where they do not fit it."""
-    known = math.prod(degrees[k] for k in SPELLED if degrees[k] != -1)
-    inferred = [k for k in SPELLED if degrees[k] == -1]
-    if inferred and (len(inferred) > 1 or world % known):
-        return None
-    ran = {**degrees, **{k: world // known for k in inferred}}
-    return ran if math.prod(ran[k] for k in SPELLED) == world else None
+    ran = degrees_on({k: degrees[k] for k in DEGREES}, world)
+    return None if ran is None else {**degrees, **ran}
 
 
 def spelled_as(degrees: dict, now: dict, world: int) -> dict:
     """`degrees` with the one that `now` infers (-1) spelled -1 where it infers the same on `world` ranks (a manifest's
     dp_shard 1 of head 2 x ctx 2 on 4 ranks is config.toml's dp_shard -1 there): the user's spelling kept."""
-    for k in (k for k in SPELLED if now[k] == -1 and degrees[k] != -1):
+    for k in (k for k in DEGREES if now[k] == -1 and degrees[k] != -1):
         trial = {**degrees, k: -1}
         if on_world(trial, world) == on_world(degrees, world):
             return trial
@@ -81,14 +75,14 @@ def written_layout(manifest: dict, load: Callable[[str], dict] = recorded_config
     layout, step = manifest.get("layout"), int(manifest.get("step") or 0)
     if not isinstance(layout, dict) or not isinstance(layout.get("world"), int) or layout["world"] < 1 or not step:
         return None
-    text = manifest.get("config")
-    if isinstance(text, str) and text:
+    text = config_text(manifest)
+    if text is not None:
         try:
             parallel = load(text)["parallel"]
             return Written({k: parallel[k] for k in LAYOUT_KEYS}, layout["world"], step)
         except UserError:  # (ConfigError; or a path it reads gone since: hf.py's)
             pass  # (a record that no longer loads: its manifest's layout, as it ran)
-    if not all(k in layout for k in SPELLED):
+    if not all(k in layout for k in DEGREES):
         return None
     return Written({k: layout[k] for k in LAYOUT_KEYS if k in layout}, layout["world"], step)
 
@@ -136,7 +130,7 @@ def _unrecorded(now: dict, written: Written, ran: dict) -> tuple[list[str], str]
     """The flags for the keys a manifest of before checkpoints recorded them lacks (parallel.expert, window,
     placement): config.toml's, as before the kept layout (its flags name the whole layout, and the defaults ran for
     them with no word), each where it fits the kept degrees, else its default, said (what is added to the line)."""
-    fits = {"window": lambda v: not v or ran["ctx"] % v == 0, "expert": lambda v: written.world % v == 0}
+    fits = {"window": lambda v: not degree_problems({"ctx": ran["ctx"]}, v), "expert": lambda v: written.world % v == 0}
     default, flags, unfit = ParallelConfig(), [], []
     for k in (k for k in LAYOUT_KEYS if k not in written.degrees):
         value = now[k] if fits.get(k, lambda v: True)(now[k]) else getattr(default, k)

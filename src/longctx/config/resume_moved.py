@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint_paths import manifest_or_empty
-from .resume_source import show
+from .resume_source import config_text, show
 
 # where a run writes: a resume from a record writes its own (the command line's, or the defaults in its run directory)
 OWN_PATHS = (("train", "run_dir"), ("checkpoint", "dir"), ("metrics", "file"))
@@ -43,8 +43,7 @@ class RunBase:
 
 def recorded_text(target: Path | None) -> str | None:
     """The config the checkpoint at `target` recorded (config.toml's text), None where it records none."""
-    text = manifest_or_empty(target).get("config") if target is not None else None
-    return text if isinstance(text, str) and text else None
+    return config_text(manifest_or_empty(target)) if target is not None else None
 
 
 def looked_in(given: dict, target: Path) -> str:

@@ -61,19 +61,27 @@ def flag(section: str, key: str, value: Any) -> str:
     return f"--{section}.{key}={text}"
 
 
-def trained_under(manifest: dict, run_file: dict, load: Callable[[str], dict], where: Path) -> Origin:
+def config_text(manifest: dict) -> str | None:
+    """The config a checkpoint's manifest records (config.toml's text: checkpoint/manifest.py), None where it records
+    none (written before checkpoints recorded theirs)."""
+    text = manifest.get("config")
+    return text if isinstance(text, str) and text else None
+
+
+def trained_under(manifest: dict, run_file: dict, load: Callable[[str], dict], where: Path,
+                  given: set | None = None) -> Origin:
     """The Origin of a resume of the checkpoint whose manifest is `manifest` ({}: none found, or unreadable), in a
     run whose config.toml loads as `run_file`. `load(text)`: a recorded config's text as a dict, as config.toml is
-    loaded (config/resume.py); `where`: the checkpoint's run directory, for messages."""
-    text, step = manifest.get("config"), int(manifest.get("step") or 0)
-    if not isinstance(text, str) or not step:
-        return Origin(run_file)  # (written before checkpoints recorded their config)
+    loaded (config/resume.py); `where`: the checkpoint's run directory, for messages; `given`: Origin.given."""
+    text, step, given = config_text(manifest), int(manifest.get("step") or 0), given or set()
+    if text is None or not step:
+        return Origin(run_file, given=given)  # (written before checkpoints recorded their config)
     try:
         recorded = load(text)
     except UserError as e:  # (ConfigError; or a path it reads gone since, model.init_from moved: hf.py's)
         return Origin(run_file, note=f"step {step}'s recorded config no longer loads ({e}), so the changes are said "
-                                     f"against {where / 'config.toml'}")
-    return Origin(recorded, step, run_file if recorded != run_file else {})
+                                     f"against {where / 'config.toml'}", given=given)
+    return Origin(recorded, step, run_file if recorded != run_file else {}, given=given)
 
 
 def refused_note(later: list, origin: Origin) -> str:

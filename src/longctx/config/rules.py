@@ -7,6 +7,7 @@ imports from the rest of longctx but errors: config sits below every other modul
 from __future__ import annotations
 
 import functools
+import math
 
 from ..errors import ConfigError
 from .data_mix import mix_problems
@@ -225,6 +226,18 @@ def degree_problems(degrees: dict[str, int], window: int) -> list[str]:
         problems.append(f"parallel.window ({window}) must be 0 (plain ring) or divide parallel.ctx ({ctx})"
                         + (f"; valid windows: {valid}." if valid else "."))
     return problems
+
+
+def degrees_on(degrees: dict[str, int], world: int) -> dict[str, int] | None:
+    """`degrees` (DEGREES; at most one -1) with the inferred one worked out on `world` ranks: the world over the
+    product of the given ones. None where they cannot run on `world` (that product does not divide it, or, none
+    inferred, is not it). The one statement of the inference: ParallelDims (job/dims.py) raises its errors on
+    None, and a rollback's kept layout (config/resume_layout.py) compares layouts as they run."""
+    known = math.prod(d for d in degrees.values() if d != -1)
+    inferred = [n for n, d in degrees.items() if d == -1]
+    if not inferred:
+        return dict(degrees) if known == world else None
+    return None if len(inferred) > 1 or world % known else {**degrees, inferred[0]: world // known}
 
 
 def head_fits(heads: int, kv_heads: int, head: int) -> bool:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..config.rules import DEGREES, degree_problems
+from ..config.rules import DEGREES, degree_problems, degrees_on
 from ..errors import ConfigError
 from . import comm
 
@@ -58,8 +58,9 @@ class ParallelDims:
             raise ConfigError(" ".join(problems))
         known = math.prod(d for d in degrees.values() if d != -1)
         inferred = [n for n, d in degrees.items() if d == -1]
+        ran = degrees_on(degrees, self.world_size)
         if inferred:
-            if self.world_size % known:
+            if ran is None:
                 raise ConfigError(
                     f"the world size {self.world_size} is not divisible by the product of the given degrees "
                     f"({' x '.join(f'{n}={d}' for n, d in degrees.items() if d != -1)} = {known}), so "
@@ -67,8 +68,8 @@ class ParallelDims:
                     f"train`, --nproc {known}; a resume otherwise keeps its checkpoint's ranks), or choose degrees "
                     f"whose product divides {self.world_size}."
                 )
-            setattr(self, inferred[0], self.world_size // known)
-        elif known != self.world_size:
+            setattr(self, inferred[0], ran[inferred[0]])
+        elif ran is None:
             raise ConfigError(
                 f"the parallel degrees multiply to {known} "
                 f"({' x '.join(f'{n}={d}' for n, d in degrees.items())}) but the world size is {self.world_size}; "
