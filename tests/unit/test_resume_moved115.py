@@ -8,12 +8,10 @@ checkpoint's recorded config (manifest "config") is now the base, said so, with 
 by the new run's; a checkpoint that records none still runs the defaults, said before any work.
 """
 
-import json
 import shutil
 
 import pytest
 
-from longctx.checkpoint.manifest import MANIFEST, _manifest_checksum
 from longctx.cli import main
 from longctx.config import load_config
 from longctx.config.layout import resolve_layout
@@ -21,6 +19,7 @@ from longctx.config.resume import load_run_config
 from longctx.config.schema import Config
 from longctx.errors import ConfigError
 from longctx.train.trainer import Trainer
+from manifest_edits import rewrite_manifest
 
 QUIET = lambda *a, **k: None  # noqa: E731
 # the run's own settings, none of them a default (Config() below checks that)
@@ -107,12 +106,12 @@ def _without_record(shared, tmp_path, config=None):
     """The checkpoint copied, its manifest's record of the config dropped (or replaced by `config`)."""
     copy = tmp_path / "old" / STEP_2
     shutil.copytree(shared / STEP_2, copy)
-    manifest = json.loads((copy / MANIFEST).read_text())
-    manifest.pop("config")
-    if config is not None:
-        manifest["config"] = config
-    manifest["checksum"] = _manifest_checksum(manifest)
-    (copy / MANIFEST).write_text(json.dumps(manifest))
+    def edit(manifest):
+        manifest.pop("config")
+        if config is not None:
+            manifest["config"] = config
+
+    rewrite_manifest(copy, edit)
     return copy
 
 

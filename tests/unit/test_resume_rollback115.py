@@ -13,11 +13,12 @@ import shutil
 
 import pytest
 
-from longctx.checkpoint.manifest import MANIFEST, DamagedManifest, _manifest_checksum, read_manifest
+from longctx.checkpoint.manifest import MANIFEST, DamagedManifest, read_manifest
 from longctx.config import load_config
 from longctx.config.resume import load_run_config
 from longctx.errors import ConfigError
 from longctx.train.trainer import Trainer
+from manifest_edits import rewrite_manifest
 from simulated_crash import run_until_crash
 
 QUIET = lambda *a, **k: None  # noqa: E731
@@ -99,11 +100,7 @@ def _copy_without_record(edited, tmp_path):
     """The run copied, its step 1 as a checkpoint written before checkpoints recorded their config."""
     run = tmp_path / "run"
     shutil.copytree(edited, run)
-    path = run / STEP_1 / MANIFEST
-    manifest = json.loads(path.read_text())
-    manifest.pop("config", None)
-    manifest["checksum"] = _manifest_checksum(manifest)
-    path.write_text(json.dumps(manifest))
+    rewrite_manifest(run / STEP_1, lambda manifest: manifest.pop("config", None))
     return run
 
 

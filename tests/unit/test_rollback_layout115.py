@@ -14,11 +14,12 @@ import shutil
 
 import pytest
 
-from longctx.checkpoint.manifest import MANIFEST, _manifest_checksum
+from longctx.checkpoint.manifest import MANIFEST
 from longctx.cli import _saved_world
 from longctx.config import load_config, to_toml
 from longctx.config.layout import resolve_layout
 from longctx.train.trainer import Trainer
+from manifest_edits import rewrite_manifest
 
 QUIET = lambda *a, **k: None  # noqa: E731
 BASE = ["--data.max_docs=40", "--metrics.plots=false", "--metrics.progress=false", "--train.device=cpu",
@@ -45,16 +46,15 @@ def _config(run, *flags) -> str:
 
 
 def _rewrite(checkpoint, step=None, layout=None, config=None, drop_config=False):
-    path = checkpoint / MANIFEST
-    manifest = json.loads(path.read_text())
-    manifest["step"] = step or manifest["step"]
-    manifest["layout"] = {**manifest["layout"], **(layout or {})}
-    if config is not None:
-        manifest["config"] = config
-    if drop_config:
-        manifest.pop("config")
-    manifest["checksum"] = _manifest_checksum(manifest)
-    path.write_text(json.dumps(manifest))
+    def edit(manifest):
+        manifest["step"] = step or manifest["step"]
+        manifest["layout"] = {**manifest["layout"], **(layout or {})}
+        if config is not None:
+            manifest["config"] = config
+        if drop_config:
+            manifest.pop("config")
+
+    rewrite_manifest(checkpoint, edit)
 
 
 @pytest.fixture

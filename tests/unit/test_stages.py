@@ -196,9 +196,9 @@ def test_a_resume_from_a_manifest_without_trained_positions_records_the_stages(t
     model.max_seq_len (131,072), as what the weights trained on; the stages' length is what they did."""
     import json
 
-    from longctx.checkpoint.manifest import _manifest_checksum
     from longctx.config.resume import load_run_config
     from longctx.train.trainer import Trainer
+    from manifest_edits import rewrite_manifest
 
     quiet = lambda *a, **k: None  # noqa: E731
     base = ["--train.global_batch=2", "--data.max_docs=40", "--train.eval_interval=0", "--metrics.plots=false",
@@ -206,10 +206,7 @@ def test_a_resume_from_a_manifest_without_trained_positions_records_the_stages(t
             "--train.warmup_steps=1", "--checkpoint.interval=1", "--checkpoint.final=false", "--train.seq_len=32"]
     Trainer(load_config(None, [*base, "--train.steps=2", f"--train.run_dir={tmp_path}"]), log=quiet).run()
     step = tmp_path / "checkpoints" / "step-00000002"
-    manifest = json.loads((step / "manifest.json").read_text())
-    del manifest["trained_positions"]
-    manifest["checksum"] = _manifest_checksum(manifest)
-    (step / "manifest.json").write_text(json.dumps(manifest))
+    rewrite_manifest(step, lambda manifest: manifest.pop("trained_positions"))
     cfg, _ = load_run_config(None, [f"--checkpoint.resume={step}", f"--train.run_dir={tmp_path}", "--train.steps=3"],
                              False)
     assert cfg.model.max_seq_len > 32
