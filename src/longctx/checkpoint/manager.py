@@ -406,6 +406,8 @@ class CheckpointManager:
         own_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         with _single_process(self.world == 1):
             read_counted(state, path, process_group=self.group, no_dist=self.world == 1)
+        # (not redundant after the read into the live tensors: the host optimizer's own load_state_dict takes its
+        # masters from the loaded weights again, else its next step writes stale ones; test_state_load116.py)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         for group, own in zip(optimizer.param_groups, own_groups):
             params = group["params"]
