@@ -156,7 +156,7 @@ class SigmoidRouter(Router):
     def _select(self, biased):
         if self.groups > 1:
             t = biased.shape[0]
-            per_group = biased.view(t, self.groups, -1)
+            per_group = biased.view(t, self.groups, self.experts // self.groups)  # (not -1: t may be 0)
             group_score = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(-1)
             best = group_score.topk(self.topk_groups, dim=-1).indices
             allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
