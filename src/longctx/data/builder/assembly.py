@@ -38,7 +38,7 @@ from .dedup import VERSION as DEDUP_VERSION
 from .dedup import Deduper
 from .earlier_parts import stored_documents
 from .embed import embed
-from .holdout import IN_BOTH, IN_EVAL, IN_TRAIN, split_items
+from .holdout import IN_BOTH, IN_EVAL, IN_TRAIN, fallback_names, split_items
 from .manifest import store_manifest
 from .options import BuildOptions
 from .pack import pack
@@ -218,7 +218,8 @@ class Assembly:
         held = bool(self.old and self.old["totals"]["eval_samples"])  # (an append to a store with an eval split)
         self.items, self.where, self.split_info = split_items(self.corpus, self.kept, self.names, self.lengths,
                                                               self.opts.holdout_len, self.opts.eval_fraction, self.log,
-                                                              self.opts.seq_len, fallback=not held)
+                                                              self.opts.seq_len, fallback=not held,
+                                                              held_out=fallback_names(self.old))
         # (an append to a store with train samples may add eval documents only: its --eval-fraction is the store's)
         if not self.items["train"].doc and not (self.old and self.old["totals"]["train_samples"]):
             raise DataError("every document landed in the eval split; lower --eval-fraction.")

@@ -10,7 +10,8 @@ so stores of one corpus at several sequence lengths built with the same one (a s
 longest stage) hold out the same text; at their own seq_len, most of one length's eval text would be
 another's training text. When the hash
 holds out nothing at all, the piece with the lowest hash is (`split_items`), so an eval fraction
-above 0 always gives an eval split unless the corpus is a single piece.
+above 0 always gives an eval split unless the corpus is a single piece. An append holds out a revision of
+that document (the same name) the same way: a document's revision is held out as its first version was.
 """
 
 from __future__ import annotations
@@ -73,16 +74,25 @@ class Items:
         return (np.asarray(self.doc, np.int64), np.asarray(self.start, np.int64), np.asarray(self.length, np.int64))
 
 
+def fallback_names(manifest: dict | None) -> frozenset[str]:
+    """The names of the documents a store's parts held out only because nothing hashed into the eval split
+    (each part's pack record says its `eval_fallback`)."""
+    parts = manifest["parts"] if manifest else []
+    return frozenset(filter(None, (p.get("stages", {}).get("pack", {}).get("eval_fallback") for p in parts)))
+
+
 def split_items(corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengths: np.ndarray, piece_len: int,
-                eval_fraction: float, log, seq_len: int = 0,
-                fallback: bool = True) -> tuple[dict[str, Items], np.ndarray, dict]:
+                eval_fraction: float, log, seq_len: int = 0, fallback: bool = True,
+                held_out: frozenset[str] = frozenset()) -> tuple[dict[str, Items], np.ndarray, dict]:
     """Train and eval items, and per kept document where it went (IN_TRAIN, IN_EVAL or IN_BOTH:
     pieces in each). Items name a document by its index in `kept`. Pieces of `piece_len` (the holdout
     grid); when the hash holds out none, the lowest-hash one's sample-sized part (`seq_len`, 0 = the
     grid): a few long documents do not lose a whole one to the eval split. Not with `fallback` False (an
     append to a store that has an eval split: its documents stay where their names put them, so a revision of
-    a document the store trains on never becomes eval text)."""
+    a document the store trains on never becomes eval text). A document named in `held_out` (the store's
+    `fallback_names`: its revision) is held out that way too, else the store trains on a copy of its eval text."""
     seq_len = seq_len or piece_len
+    revisions = []  # (document, its lowest-hash piece) of those named in held_out
     items = {"train": Items(), "eval": Items()}
     where = np.zeros(len(kept), dtype=np.int8)
     lowest = None  # (hash rank, document, piece) of the first candidate for the eval split
@@ -99,6 +109,8 @@ def split_items(corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengt
             rank, first = min((eval_rank(piece), p) for p, (_, _, piece) in enumerate(pieces))
             if lowest is None or rank < lowest[0]:
                 lowest = (rank, doc, first)
+            if name in held_out:
+                revisions.append((doc, first))
         if all(h == held[0] for h in held):
             items["eval" if held[0] else "train"].add(doc, 0, length)
             where[doc] = IN_EVAL if held[0] else IN_TRAIN
@@ -106,6 +118,11 @@ def split_items(corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengt
             for (start, size, _), h in zip(pieces, held):
                 items["eval" if h else "train"].extend(doc, start, size)
             where[doc] = IN_BOTH
+    for doc, piece in revisions:
+        if where[doc] == IN_TRAIN:  # (else the hash holds out some of it already)
+            items = _move_to_eval(items, doc, piece, corpus, int(kept[doc]), int(lengths[doc]), piece_len, seq_len)
+            where[doc] = IN_BOTH if lengths[doc] > seq_len else IN_EVAL
+            log(f"  eval split: held out {names[doc]}, as the store's eval split holds its earlier version")
     info = {"pieces": pieces_total}
     if eval_fraction and not items["eval"].doc and not fallback:
         log("  eval split: none of the appended documents hashed into it; the store's earlier parts hold it.")
@@ -135,7 +152,7 @@ def _cuts(corpus: ScannedCorpus, scanned: int, length: int, piece_len: int) -> l
 def _move_to_eval(items: dict[str, Items], doc: int, piece: int, corpus: ScannedCorpus, scanned: int, length: int,
                   piece_len: int, seq_len: int) -> dict[str, Items]:
     """The items with the sample-sized part of piece `piece` of document `doc` where it starts (all of
-    the document if it fits a sample) in eval."""
+    the document if it fits a sample) in eval, which it joins in document order."""
     start = 0 if length <= piece_len else _cuts(corpus, scanned, length, piece_len)[piece]
     if length <= seq_len:  # (also a document cut into pieces by a grid shorter than a sample: all of it)
         start, size = 0, length
@@ -154,5 +171,6 @@ def _move_to_eval(items: dict[str, Items], doc: int, piece: int, corpus: Scanned
         if start + size < s + m:
             train.add(d, start + size, s + m - start - size)
     held_out = Items()
-    held_out.add(doc, start, size)
+    for d, s, m in sorted([*zip(items["eval"].doc, items["eval"].start, items["eval"].length), (doc, start, size)]):
+        held_out.add(d, s, m)
     return {"train": train, "eval": held_out}
