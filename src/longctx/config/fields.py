@@ -17,6 +17,7 @@ from .override_hints import (
     list_hint,
     no_number_hint,
     no_value_problem,
+    not_text_problem,
     quoted_problem,
     toml_line,
     whole_number_hint,
@@ -70,7 +71,8 @@ def coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
                           + _unquoted(key, value, f) + list_hint(key, value)
                           + (whole_number_hint(key, value, cli=False) if typ is int and isinstance(value, float)
                              else ""))
-    problem = (no_value_problem(key, value, f) or bracket_problem(key, value)) if typ is str else None
+    problem = (not_text_problem(key, value) or no_value_problem(key, value, f) or bracket_problem(key, value)
+               if typ is str else None)
     if problem:
         raise ConfigError(problem)
     if typ is float:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..errors import UserError
+from .hf import resolve_init_from
 from .positions import MS_POE_SETTINGS
 from .presets import MODEL_PRESETS
 from .schema import (
@@ -116,8 +118,8 @@ _SCALING_KEYS = {"rope_low_freq_factor": ("llama3",), "rope_high_freq_factor": (
 def _unread_companions(cfg: Config) -> list[str]:
     """Keys that only tune another option, given while that option is off: train.spike_window without
     train.spike_factor, train.skip_limit under another train.on_nonfinite than skip, memory.offload_skip_last
-    without memory.offload_fraction, a RoPE scaling's own keys under another scaling (a preset model's: one
-    from model.init_from takes them from its weights' config).
+    without memory.offload_fraction, a RoPE scaling's own keys under another scaling (away from the
+    preset's values, or from the weights' own for a model from model.init_from: _own_model).
     Notes, not errors: a saved config.toml carries them when a resume turns the option off."""
     t, mem, m = cfg.train, cfg.memory, cfg.model
     notes = []
@@ -134,9 +136,10 @@ def _unread_companions(cfg: Config) -> list[str]:
     if skip and not mem.offload_fraction:
         notes.append(f"{_named('memory', skip, 'is')} ignored: it keeps blocks out of memory.offload_fraction's "
                      f"offload, and memory.offload_fraction is 0 (nothing offloaded)")
+    own = _own_model(m)
     scaling = _given(m, ModelConfig, lambda key: m.rope_scaling not in _SCALING_KEYS.get(key, (m.rope_scaling,)),
-                     MODEL_PRESETS.get(m.preset, {}))
-    if scaling and not m.init_from:
+                     own) if own is not None else []
+    if scaling:
         notes.append(f"{_named('model', scaling, 'is')} ignored: model.rope_scaling is {m.rope_scaling!r}, which "
                      f"reads none of {'them' if len(scaling) > 1 else 'it'} (low/high_freq_factor: llama3; "
                      f"beta_fast/slow, mscale, mscale_all_dim, attention_factor, truncate: yarn; original_max_len: "
@@ -237,14 +240,27 @@ def _zero_pp_unused(cfg: Config) -> list[str]:
     return problems
 
 
+def _own_model(m: ModelConfig) -> dict | None:
+    """[model]'s values where the user gives none: its preset's, or for a model from model.init_from the weights'
+    own (config.json, or a checkpoint's manifest), so that a RoPE key given over weights counts as given: it was
+    taken unsaid (`--model.init_from hf:DIR --model.rope_factor 4` over weights of no scaling trained plain RoPE).
+    None where the weights cannot be read (init_from's own check says why)."""
+    if not m.init_from:
+        return MODEL_PRESETS.get(m.preset, {})
+    try:
+        return resolve_init_from({"init_from": m.init_from})[0]
+    except UserError:
+        return None
+
+
 def _rope_factor_unscaled(cfg: Config) -> list[str]:
     """model.rope_factor with model.rope_scaling none: models/llama.py reads the factor only under a scaling.
     A model from model.init_from takes its factor from the weights' config (an extension may set rope_scaling
-    none over it), so only a preset model's factor away from its default and its preset's counts."""
+    none over it), so only a factor away from its default and from the preset's or the weights' own counts."""
     m = cfg.model
-    preset = MODEL_PRESETS.get(m.preset, {})
-    given = _given(m, ModelConfig, lambda key: key == "rope_factor", preset)
-    if m.rope_scaling != "none" or m.init_from or not given:
+    own = _own_model(m)
+    given = _given(m, ModelConfig, lambda key: key == "rope_factor", own) if own is not None else []
+    if m.rope_scaling != "none" or not given:
         return []
     return [f"model.rope_factor = {m.rope_factor} would be ignored: model.rope_scaling is none (plain RoPE, no "
             f"factor); set --model.rope_scaling linear, llama3 or yarn to scale by it, or drop it."]

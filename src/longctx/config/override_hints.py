@@ -112,6 +112,18 @@ def bracket_problem(key: str, value: Any) -> str | None:
             f"in TOML, {toml_line(key, _quoted(text[1:-1].strip()))}.")
 
 
+def not_text_problem(key: str, value: str) -> str | None:
+    """The refusal of a string holding a lone surrogate: Python's stand-in for a byte that is not UTF-8 (a Latin-1
+    file name on the command line, `--train.run_dir $'caf\\xe9'`). It was accepted and written into config.toml as
+    an escape no TOML reader takes, so the run's own config.toml, and any resume of the run, failed to load."""
+    bad = next((c for c in value if "\ud800" <= c <= "\udfff"), None)
+    if bad is None:
+        return None
+    byte = f" (byte 0x{ord(bad) - 0xDC00:02x} of another encoding)" if ord(bad) >= 0xDC80 else ""
+    return (f"{key} = {value!r} is not UTF-8 text{byte}: a config.toml is UTF-8 and could not record it, so the run "
+            f"could not be resumed; give the name in UTF-8 (rename the file or directory, e.g. with convmv).")
+
+
 def quoted_problem(key: str, text: str) -> str | None:
     """The refusal of a command-line value wrapped in quotes that reached longctx (a script or a launcher's
     argument list that quoted it twice): kept, `--train.run_dir="'runs/a'"` made a directory with quotes in its
