@@ -13,6 +13,7 @@ from ..errors import ConfigError
 from .data_mix import mix_problems
 from .data_parallel import data_parallel_problems
 from .data_rules import data_rules
+from .divisors import among, divisors
 from .draft_rules import draft_problems
 from .inert_options import inert_option_problems
 from .moe_rules import moe_rules
@@ -76,7 +77,7 @@ def _model_rules(cfg: Config, problems: list[str]) -> None:
     if m.heads > 0 and m.kv_heads > 0 and m.heads % m.kv_heads:
         problems.append(
             f"model.heads ({m.heads}) must be divisible by model.kv_heads ({m.kv_heads}) for grouped-query "
-            f"attention; choose kv_heads among {[k for k in range(1, m.heads + 1) if m.heads % k == 0]}."
+            f"attention; choose kv_heads among {among(m.heads)}."
         )
     if m.head_dim < 0:
         problems.append(f"model.head_dim must be 0 (= dim // heads) or positive, got {m.head_dim}.")
@@ -222,7 +223,7 @@ def degree_problems(degrees: dict[str, int], window: int) -> list[str]:
                         + (", e.g. --parallel.dp_shard 1." if "dp_shard" in inferred else "."))
     ctx = degrees.get("ctx", 1)
     if window < 0 or (window > 0 and ctx > 0 and ctx % window):
-        valid = [w for w in range(1, ctx + 1) if ctx % w == 0] if ctx > 0 else []
+        valid = among(ctx) if ctx > 0 else ""
         problems.append(f"parallel.window ({window}) must be 0 (plain ring) or divide parallel.ctx ({ctx})"
                         + (f"; valid windows: {valid}." if valid else "."))
     return problems
@@ -248,8 +249,8 @@ def head_fits(heads: int, kv_heads: int, head: int) -> bool:
 
 def working_layouts(heads: int, kv_heads: int, ranks: int) -> list[str]:
     """The head x ctx layouts of `ranks` ranks whose head degree the model's heads split over."""
-    return [f"--parallel.head {h} --parallel.ctx {ranks // h}" for h in range(1, ranks + 1)
-            if ranks % h == 0 and head_fits(heads, kv_heads, h)]
+    return [f"--parallel.head {h} --parallel.ctx {ranks // h}" for h in divisors(ranks) or []
+            if head_fits(heads, kv_heads, h)]
 
 
 def _parallel_rules(cfg: Config, problems: list[str]) -> None:
@@ -289,8 +290,7 @@ def _parallel_rules(cfg: Config, problems: list[str]) -> None:
     elif p.expert > 1 and m.moe_experts % p.expert:
         # (the world size is not known here: job/dims.py checks that the degree divides it too)
         problems.append(f"parallel.expert ({p.expert}) must divide model.moe.experts ({m.moe_experts}) and the number "
-                        f"of ranks: choose among the divisors of {m.moe_experts}, "
-                        f"{[d for d in range(1, m.moe_experts + 1) if m.moe_experts % d == 0]}, one that also "
+                        f"of ranks: choose among {among(m.moe_experts)}, one that also "
                         f"divides the ranks.")
     if p.timeout_s <= 0:
         problems.append(f"parallel.timeout_s must be positive, got {p.timeout_s}.")

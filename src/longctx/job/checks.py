@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from ..config.divisors import among, divisors
 from ..config.inert_options import inert_layout_problems
 from ..config.rules import global_batch_used, head_fits, parse_stages
 from ..errors import ConfigError
@@ -127,12 +128,12 @@ def check_heads(heads: int, kv_heads: int, head: int) -> None:
     if heads % head:
         raise ConfigError(
             f"{heads} attention heads are not divisible by the head-parallel degree {head}; "
-            f"choose parallel.head among {[d for d in range(1, heads + 1) if heads % d == 0]}."
+            f"choose parallel.head among {among(heads)}."
         )
     if heads % kv_heads:
         raise ConfigError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads.")
     if kv_heads % head and head % kv_heads:
-        fits = [d for d in range(1, heads + 1) if head_fits(heads, kv_heads, d)]
+        fits = [d for d in divisors(heads) or [] if head_fits(heads, kv_heads, d)]
         raise ConfigError(
             f"{kv_heads} key/value heads cannot be split over head-parallel degree {head}: one must divide "
             f"the other (kv heads are replicated when the degree is a multiple of them); choose parallel.head among "
