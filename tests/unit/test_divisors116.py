@@ -47,3 +47,12 @@ def test_a_huge_count_is_refused_at_once(tmp_path, overrides, key):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
     assert key in str(refused.value)
+
+
+@pytest.mark.parametrize("value", [2**63, 2**64 + 5, -(2**63) - 1])
+def test_a_count_past_a_toml_integer_is_refused_naming_the_key(value):
+    """A config.toml records the run's every value; one past TOML's signed 64-bit integers was taken and written
+    where other TOML readers refuse the file (Python's reads it back, so nothing said it)."""
+    with pytest.raises(ConfigError, match=r"train\.steps = .* past a TOML integer's range"):
+        load_config(None, {"train": {"steps": value}})
+    assert load_config(None, {"train": {"seed": 2**63 - 1}}).train.seed == 2**63 - 1

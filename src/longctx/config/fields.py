@@ -54,6 +54,9 @@ def _base_type(f: dataclasses.Field) -> str:
     return name.split("|")[0].strip()
 
 
+TOML_INT = 2**63  # (TOML integers: -2**63 .. 2**63 - 1)
+
+
 def coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
     """Check a TOML value (or a CLI string, already parsed) against the field's type and choices."""
     if isinstance(value, str) and value in f.metadata.get("words", ()):
@@ -75,6 +78,9 @@ def coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
                if typ is str else None)
     if problem:
         raise ConfigError(problem)
+    if typ is int and not -TOML_INT <= value < TOML_INT:  # (else written into a config.toml other TOML readers refuse)
+        raise ConfigError(f"{key} = {value} is past a TOML integer's range, -2**63 to 2**63 - 1, in which the run's "
+                          f"config.toml records it: give a value within it (a count this large is a typo).")
     if typ is float:
         try:
             value = float(value)
