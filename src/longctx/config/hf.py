@@ -49,6 +49,7 @@ from .hf_families import (
     check_sliding_window,
     check_unquantized,
     family_window,
+    qwen_moe_dense_layers,
     with_family_defaults,
 )
 from .hf_rope import config_reach, rope_fields
@@ -159,14 +160,7 @@ def _moe_fields(hf: dict, family: str, where: str) -> dict[str, Any]:
     if experts <= 0:
         raise HFFormatError(f"{where}: {_hf_key('moe.experts', family, hf)}={experts}, a {family} without experts; "
                             f"longctx reads a dense model as its dense family (qwen2, qwen3, llama).")
-    dense: set[int] = set()
-    if family in ("qwen2_moe", "qwen3_moe"):
-        step = d.get("decoder_sparse_step", 1)
-        if not isinstance(step, int) or step < 1:
-            raise HFFormatError(f"{where}: decoder_sparse_step={step!r}; it must be a positive integer.")
-        only = set(d.get("mlp_only_layers") or [])
-        # transformers' rule: layer i is sparse iff i is not in mlp_only_layers and (i + 1) % step == 0
-        dense = {i for i in range(hf["num_hidden_layers"]) if i in only or (i + 1) % step}
+    dense = qwen_moe_dense_layers(d, where) if family in ("qwen2_moe", "qwen3_moe") else set()
     shared = int(d.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
     return {"moe.experts": int(experts), "moe.top_k": int(d["num_experts_per_tok"]), "moe.router": "softmax",
             "moe.expert_dim": int(expert_dim), "moe.shared_experts": int(shared > 0), "moe.shared_dim": shared,

@@ -150,6 +150,28 @@ def window_off_keys(hf: dict) -> str:
     return "use_sliding_window false"
 
 
+def qwen_moe_dense_layers(d: dict, where: str) -> set[int]:
+    """The layers of a Qwen2-MoE / Qwen3-MoE config.json (`d`, with the family's MoE defaults) that transformers
+    builds dense. Its rule: layer i has experts iff i is not in mlp_only_layers and (i + 1) % decoder_sparse_step
+    is 0. Refused where that leaves every layer dense: such a file is its dense family's model, and read as a MoE
+    it passed a bare model.load_hf but stopped every run at "set model.moe.experts 0", which the weights' own
+    num_experts then refused."""
+    step, layers = d.get("decoder_sparse_step", 1), d["num_hidden_layers"]
+    if not isinstance(step, int) or step < 1:
+        raise HFFormatError(f"{where}: decoder_sparse_step={step!r}; it must be a positive integer.")
+    only = set(d.get("mlp_only_layers") or [])
+    dense = {i for i in range(layers) if i in only or (i + 1) % step}
+    if len(dense) == layers:
+        family = {"qwen3_moe": "qwen3"}.get(d["model_type"], "qwen2 (llama where qkv_bias is false)")
+        head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]  # (qwen3's default is 128)
+        raise HFFormatError(
+            f"{where}: decoder_sparse_step={step} and mlp_only_layers={sorted(only)} leave none of the "
+            f"{layers} layers with experts, so the weights are a dense model that the Mixture-of-Experts family "
+            f"{d['model_type']} cannot train or export as such. Set model_type {family} and head_dim {head_dim}: "
+            f"that family reads the same weights and computes the same function.")
+    return dense
+
+
 def check_unquantized(hf: dict, where: str) -> None:
     """Refuse a config.json whose weights are stored quantized: read as they are, they compute another model."""
     quant = hf.get("quantization_config")
