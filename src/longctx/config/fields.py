@@ -17,7 +17,6 @@ from .override_hints import (
     list_hint,
     no_number_hint,
     no_value_problem,
-    not_text_problem,
     quoted_problem,
     toml_line,
     whole_number_hint,
@@ -74,8 +73,9 @@ def coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
                           + _unquoted(key, value, f) + list_hint(key, value)
                           + (whole_number_hint(key, value, cli=False) if typ is int and isinstance(value, float)
                              else ""))
-    problem = (not_text_problem(key, value) or no_value_problem(key, value, f) or bracket_problem(key, value)
-               if typ is str else None)
+    # (a string that is not UTF-8 is refused where a config is written, load.py check_recordable: generate and
+    # eval read a checkpoint by such a name and write no config.toml)
+    problem = (no_value_problem(key, value, f) or bracket_problem(key, value)) if typ is str else None
     if problem:
         raise ConfigError(problem)
     if typ is int and not -TOML_INT <= value < TOML_INT:  # (else written into a config.toml other TOML readers refuse)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .load import parse_overrides, read_raw
+from .load import check_recordable, parse_overrides, read_raw
 from .resume import LAYOUT_KEYS, Resumed, load_run_config, resume_checkpoint
 from .resume_layout import kept_layout
 from .resume_moved import unfound_line
@@ -83,6 +83,7 @@ def resolve_layout(path: str | Path | None, overrides: Sequence[str], nproc: int
     raw = read_raw(path, overrides)
     named = bool(nproc) or any(k in raw.get("parallel", {}) for k in LAYOUT_KEYS)
     cfg, resumed = load_run_config(path, overrides, layout_given=named)
+    check_recordable(cfg)  # (the run's config.toml: a name not UTF-8, before any work)
     kept = kept_layout(cfg, world) if resumed is not None and not named else None
     if kept is not None:  # (a rollback past a resume that changed the layout: its checkpoint's, on its ranks)
         overrides = [*overrides, *kept.overrides]

@@ -18,7 +18,7 @@ from .data_mix import normal_path
 from .draft_rules import check_draft_target
 from .fields import SECTIONS, coerce, fields_by_key, lookup, parse_cli_value, renamed, toml_value
 from .hf import check_run_window, resolve_init_from
-from .override_hints import flag_hint
+from .override_hints import flag_hint, not_text_problem
 from .presets import MODEL_PRESETS
 from .rules import parse_stages, validate
 from .schema import Config, DraftConfig, ModelConfig, TrainConfig
@@ -299,7 +299,20 @@ def _build_section(section: str, values: dict[str, Any], built: dict[str, Any]):
 # Writing
 
 
+def check_recordable(cfg: Config) -> None:
+    """Refuse, naming its key, a string a config.toml cannot record (override_hints.not_text_problem: a name that
+    is not UTF-8): asked where a config is written, `longctx train` before any work (config/layout.py; its
+    config.toml is what every resume reads) and to_toml. Not by load_config: generate, eval and bench read a
+    checkpoint or store by such a name and write no config (`generate --checkpoint $'caf\\xe9'` worked)."""
+    for section, values in to_dict(cfg).items():
+        for key, value in values.items():
+            problem = isinstance(value, str) and not_text_problem(f"{section}.{key}", value)
+            if problem:
+                raise ConfigError(problem)
+
+
 def to_toml(cfg: Config) -> str:
+    check_recordable(cfg)
     lines = []
     for section, cls in SECTIONS.items():
         lines.append(f"[{section}]")

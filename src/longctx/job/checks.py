@@ -133,7 +133,9 @@ def check_heads(heads: int, kv_heads: int, head: int) -> None:
     if heads % kv_heads:
         raise ConfigError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads.")
     if kv_heads % head and head % kv_heads:
-        fits = [d for d in divisors(heads) or [] if head_fits(heads, kv_heads, d)]
+        listed = divisors(heads)  # (None: a count too large to list, which said "among []")
+        fits = ([d for d in listed if head_fits(heads, kv_heads, d)] if listed is not None else
+                f"the divisors of {heads} that divide or are multiples of {kv_heads}")
         raise ConfigError(
             f"{kv_heads} key/value heads cannot be split over head-parallel degree {head}: one must divide "
             f"the other (kv heads are replicated when the degree is a multiple of them); choose parallel.head among "

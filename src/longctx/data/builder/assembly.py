@@ -38,7 +38,8 @@ from .dedup import VERSION as DEDUP_VERSION
 from .dedup import Deduper
 from .earlier_parts import stored_documents
 from .embed import embed
-from .holdout import IN_BOTH, IN_EVAL, IN_TRAIN, fallback_names, split_items
+from .fallback_parts import fallback_starts
+from .holdout import IN_BOTH, IN_EVAL, IN_TRAIN, split_items
 from .manifest import store_manifest
 from .options import BuildOptions
 from .pack import pack
@@ -219,7 +220,7 @@ class Assembly:
         self.items, self.where, self.split_info = split_items(self.corpus, self.kept, self.names, self.lengths,
                                                               self.opts.holdout_len, self.opts.eval_fraction, self.log,
                                                               self.opts.seq_len, fallback=not held,
-                                                              held_out=fallback_names(self.old))
+                                                              held_out=fallback_starts(self.old, self.root))
         # (an append to a store with train samples may add eval documents only: its --eval-fraction is the store's)
         if not self.items["train"].doc and not (self.old and self.old["totals"]["train_samples"]):
             raise DataError("every document landed in the eval split; lower --eval-fraction.")

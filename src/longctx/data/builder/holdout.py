@@ -11,7 +11,8 @@ longest stage) hold out the same text; at their own seq_len, most of one length'
 another's training text. When the hash
 holds out nothing at all, the piece with the lowest hash is (`split_items`), so an eval fraction
 above 0 always gives an eval split unless the corpus is a single piece. An append holds out a revision of
-that document (the same name) the same way: a document's revision is held out as its first version was.
+that document (the same name) the same way, at the offset its first version's held-out part starts
+(fallback_parts.py): a document's revision is held out as its first version was.
 """
 
 from __future__ import annotations
@@ -74,25 +75,20 @@ class Items:
         return (np.asarray(self.doc, np.int64), np.asarray(self.start, np.int64), np.asarray(self.length, np.int64))
 
 
-def fallback_names(manifest: dict | None) -> frozenset[str]:
-    """The names of the documents a store's parts held out only because nothing hashed into the eval split
-    (each part's pack record says its `eval_fallback`)."""
-    parts = manifest["parts"] if manifest else []
-    return frozenset(filter(None, (p.get("stages", {}).get("pack", {}).get("eval_fallback") for p in parts)))
-
-
 def split_items(corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengths: np.ndarray, piece_len: int,
                 eval_fraction: float, log, seq_len: int = 0, fallback: bool = True,
-                held_out: frozenset[str] = frozenset()) -> tuple[dict[str, Items], np.ndarray, dict]:
+                held_out: dict[str, int] | None = None) -> tuple[dict[str, Items], np.ndarray, dict]:
     """Train and eval items, and per kept document where it went (IN_TRAIN, IN_EVAL or IN_BOTH:
     pieces in each). Items name a document by its index in `kept`. Pieces of `piece_len` (the holdout
     grid); when the hash holds out none, the lowest-hash one's sample-sized part (`seq_len`, 0 = the
     grid): a few long documents do not lose a whole one to the eval split. Not with `fallback` False (an
     append to a store that has an eval split: its documents stay where their names put them, so a revision of
     a document the store trains on never becomes eval text). A document named in `held_out` (the store's
-    `fallback_names`: its revision) is held out that way too, else the store trains on a copy of its eval text."""
+    fallback_parts.fallback_starts: its revision) is held out that way too, at the piece holding the offset its
+    first version's held-out part starts at, else the store trains on a copy of its eval text."""
+    held_out = held_out or {}
     seq_len = seq_len or piece_len
-    revisions = []  # (document, its lowest-hash piece) of those named in held_out
+    revisions = []  # (document, its piece holding the first version's held-out start) of those named in held_out
     items = {"train": Items(), "eval": Items()}
     where = np.zeros(len(kept), dtype=np.int8)
     lowest = None  # (hash rank, document, piece) of the first candidate for the eval split
@@ -110,7 +106,7 @@ def split_items(corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengt
             if lowest is None or rank < lowest[0]:
                 lowest = (rank, doc, first)
             if name in held_out:
-                revisions.append((doc, first))
+                revisions.append((doc, bisect.bisect_right([a for a, _, _ in pieces], held_out[name]) - 1))
         if all(h == held[0] for h in held):
             items["eval" if held[0] else "train"].add(doc, 0, length)
             where[doc] = IN_EVAL if held[0] else IN_TRAIN
@@ -118,11 +114,7 @@ def split_items(corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengt
             for (start, size, _), h in zip(pieces, held):
                 items["eval" if h else "train"].extend(doc, start, size)
             where[doc] = IN_BOTH
-    for doc, piece in revisions:
-        if where[doc] == IN_TRAIN:  # (else the hash holds out some of it already)
-            items = _move_to_eval(items, doc, piece, corpus, int(kept[doc]), int(lengths[doc]), piece_len, seq_len)
-            where[doc] = IN_BOTH if lengths[doc] > seq_len else IN_EVAL
-            log(f"  eval split: held out {names[doc]}, as the store's eval split holds its earlier version")
+    items = _hold_revisions(items, where, revisions, corpus, kept, names, lengths, piece_len, seq_len, log)
     info = {"pieces": pieces_total}
     if eval_fraction and not items["eval"].doc and not fallback:
         log("  eval split: none of the appended documents hashed into it; the store's earlier parts hold it.")
@@ -147,6 +139,19 @@ def _cuts(corpus: ScannedCorpus, scanned: int, length: int, piece_len: int) -> l
     """The piece boundaries of scanned document `scanned` (pack.cut_points at its line breaks)."""
     return cut_points(length, piece_len, corpus.get("breaks", scanned).astype(np.int64),
                       corpus.get("strong", scanned).astype(np.int64))
+
+
+def _hold_revisions(items: dict[str, Items], where: np.ndarray, revisions: list[tuple[int, int]],
+                    corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengths: np.ndarray, piece_len: int,
+                    seq_len: int, log) -> dict[str, Items]:
+    """The items with each (document, piece) of `revisions` held out as the fallback holds a piece out, where the
+    hash left the document wholly in train (`where` updated)."""
+    for doc, piece in revisions:
+        if where[doc] == IN_TRAIN:  # (else the hash holds out some of it already)
+            items = _move_to_eval(items, doc, piece, corpus, int(kept[doc]), int(lengths[doc]), piece_len, seq_len)
+            where[doc] = IN_BOTH if lengths[doc] > seq_len else IN_EVAL
+            log(f"  eval split: held out {names[doc]}, as the store's eval split holds its earlier version")
+    return items
 
 
 def _move_to_eval(items: dict[str, Items], doc: int, piece: int, corpus: ScannedCorpus, scanned: int, length: int,
