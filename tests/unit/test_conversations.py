@@ -330,8 +330,12 @@ def test_a_conversation_longer_than_a_sample_is_cut_after_its_last_answer_that_f
     assert store_documents(a) == store_documents(b) and len(store_documents(a)[0]) == len(ids(kept)) + 1
     assert _targets(PackedSamples(a, "train")) == _targets(PackedSamples(b, "train"))
     for kw in ({"long_conversations": "drop"}, {"answers": "last"}):
-        dropped = _build(tmp_path / next(iter(kw)), folder, records, seq_len=seq_len, **kw)
+        said.clear()
+        dropped = _build(tmp_path / next(iter(kw)), folder, records, seq_len=seq_len, log=said.append, **kw)
         assert dropped["parts"][0]["counts"]["skipped"] == {"pair_longer_than_sample": 2}
+        assert any("dropped 2 conversation(s) longer than a sample" in line for line in said)  # (not "pair(s)")
+    with pytest.raises(DataError, match=f"every document is a conversation longer than --seq-len {seq_len}"):
+        _build(tmp_path / "none", folder, [{"messages": huge}], seq_len=seq_len)
 
 
 @pytest.mark.parametrize("dedup", ["exact", "minhash"])

@@ -178,12 +178,13 @@ class Assembly:
         self.pairs_dropped = dropped = int(too_long.sum())
         if dropped:
             self.skipped["pair_longer_than_sample"] = self.skipped.get("pair_longer_than_sample", 0) + dropped
-            self.log(f"  dedup     dropped {dropped:,} instruction pair(s) longer than a sample of "
+            kind = "conversation" if self.opts.messages_field else "instruction pair"  # (their own word)
+            self.log(f"  dedup     dropped {dropped:,} {kind}(s) longer than a sample of "
                      f"{self.opts.seq_len:,} tokens (the longest {int(lengths[too_long].max()):,}): cut, a "
                      f"response would be trained without its prompt. Raise --seq-len to keep them.")
             if dropped == min(self.documents_read, len(lengths)):
-                raise DataError(f"every document is an instruction pair longer than --seq-len {self.opts.seq_len}; "
-                                f"raise --seq-len.")
+                raise DataError(f"every document is {'a' if self.opts.messages_field else 'an'} {kind} longer than "
+                                f"--seq-len {self.opts.seq_len}; raise --seq-len.")
         return too_long
 
     def measure(self) -> None:
