@@ -403,12 +403,16 @@ def test_a_command_line_string_that_is_not_utf8_is_refused_naming_the_key(tmp_pa
     assert load_config(path).train.run_dir == "café"
 
 
-def test_a_rope_scaling_key_over_weights_of_no_scaling_is_refused_or_said(hf):
+def test_a_rope_scaling_key_over_weights_of_no_scaling_is_refused_or_said(hf, tmp_path):
     """`--model.init_from hf:DIR --model.rope_factor 4` over weights of plain RoPE trained plain RoPE: the factor,
     refused over a preset model (rope_scaling none reads none), was taken without a word over weights, as were
     the scalings' other keys (a note over a preset). The weights' own values are the baseline a key differs from."""
-    with pytest.raises(ConfigError, match=r"model.rope_factor = 4.0 would be ignored: model.rope_scaling is none"):
-        _cli(["--model.init_from", hf, "--model.rope_factor", "4"])
+    # (a note, not a refusal, over weights: a saved config.toml of a run that took it before must still resume)
+    notes = inert_option_notes(_cli(["--model.init_from", hf, "--model.rope_factor", "4"]))
+    assert any("model.rope_factor = 4.0 is ignored: model.rope_scaling is none over the weights" in n for n in notes)
+    saved = tmp_path / "config.toml"  # (as a run that took it wrote its config.toml: it loads, and says it)
+    saved.write_text(to_toml(_cli(["--model.init_from", hf, "--model.rope_factor", "4"])))
+    assert load_config(saved).model.rope_factor == 4.0
     cfg = _cli(["--model.init_from", hf, "--model.rope_beta_fast", "2"])
     assert any("model.rope_beta_fast = 2.0 is ignored" in note for note in inert_option_notes(cfg))
     cfg = _cli(["--model.init_from", hf, "--model.rope_scaling", "linear", "--model.rope_factor", "4"])

@@ -100,7 +100,7 @@ def inert_option_notes(cfg: Config) -> list[str]:
     if t.lr_schedule == "constant" and decay:
         notes.append(f"{_named('train', decay, 'is')} ignored: train.lr_schedule = constant holds train.lr after the "
                      f"warmup, with no decay; set --train.lr_schedule cosine, linear or 1-sqrt to decay")
-    notes += _unread_companions(cfg)
+    notes += _unread_companions(cfg) + _rope_factor_unscaled(cfg, weights=True)
     block = _given(p, ParallelConfig, lambda key: key == "zero_pp_block")
     if block and not {"qwz", "qgz"} & _zero_pp(cfg):
         notes.append(f"{_named('parallel', block, 'is')} ignored: it sizes the int8 blocks of parallel.zero_pp's qwz "
@@ -253,17 +253,25 @@ def _own_model(m: ModelConfig) -> dict | None:
         return None
 
 
-def _rope_factor_unscaled(cfg: Config) -> list[str]:
+def _rope_factor_unscaled(cfg: Config, weights: bool = False) -> list[str]:
     """model.rope_factor with model.rope_scaling none: models/llama.py reads the factor only under a scaling.
-    A model from model.init_from takes its factor from the weights' config (an extension may set rope_scaling
-    none over it), so only a factor away from its default and from the preset's or the weights' own counts."""
+    A factor away from its default and from the preset's (`weights`: the init_from weights' own, _own_model; an
+    extension may set rope_scaling none over their factor) counts. Over a preset it is refused; over weights it is
+    a note (`weights`, asked by inert_option_notes): a run started before 2026-12-07 took it without a word and its
+    saved config.toml records it, which a refusal would leave unable to resume, though the factor never acted."""
     m = cfg.model
+    if bool(m.init_from) != weights:
+        return []
     own = _own_model(m)
     given = _given(m, ModelConfig, lambda key: key == "rope_factor", own) if own is not None else []
     if m.rope_scaling != "none" or not given:
         return []
+    fix = "set --model.rope_scaling linear, llama3 or yarn to scale by it, or drop it"
+    if weights:
+        return [f"model.rope_factor = {m.rope_factor} is ignored: model.rope_scaling is none over the weights of "
+                f"model.init_from, which have no RoPE scaling (plain RoPE, no factor); {fix}"]
     return [f"model.rope_factor = {m.rope_factor} would be ignored: model.rope_scaling is none (plain RoPE, no "
-            f"factor); set --model.rope_scaling linear, llama3 or yarn to scale by it, or drop it."]
+            f"factor); {fix}."]
 
 
 def _unusable_expert_replicas(cfg: Config) -> list[str]:
