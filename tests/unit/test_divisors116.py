@@ -56,3 +56,19 @@ def test_a_count_past_a_toml_integer_is_refused_naming_the_key(value):
     with pytest.raises(ConfigError, match=r"train\.steps = .* past a TOML integer's range"):
         load_config(None, {"train": {"steps": value}})
     assert load_config(None, {"train": {"seed": 2**63 - 1}}).train.seed == 2**63 - 1
+
+
+def test_the_planner_refuses_a_gpu_count_past_what_its_mesh_search_lists():
+    """`longctx plan --gpus N` listed N's divisors by a loop to N (its own copy of them): a typo hung it."""
+    from longctx.config import load_config as load
+    from longctx.costs.hardware import PRESETS
+    from longctx.planner.request import Request
+
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(20)
+    try:
+        with pytest.raises(ConfigError, match=r"--gpus must be at most 10\*\*12"):
+            Request(load(None, {}).model, PRESETS["h100"], LISTED_UP_TO * 8, 4096)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

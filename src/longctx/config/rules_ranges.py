@@ -4,11 +4,13 @@ to write instead."""
 
 from __future__ import annotations
 
+from .fields import TOML_INT
 from .schema import Config
 
 # torch.manual_seed takes up to 2**64 - 1, but numpy's generators (data order, synthetic samples)
-# take no negative seed, and a config.toml is TOML, whose integers are signed 64-bit
-SEED_LIMIT = 2**63
+# take no negative seed, and a config.toml is TOML, whose integers are signed 64-bit (fields.py refuses any int
+# key's value past them first)
+SEED_LIMIT = TOML_INT
 
 
 def range_problems(cfg: Config) -> list[str]:

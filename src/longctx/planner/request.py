@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from ..config.divisors import LISTED_UP_TO, divisors
 from ..costs.hardware import Hardware
 from ..costs.host_bytes import TIERS
 from ..costs.shape import MeshShape
@@ -31,10 +32,6 @@ from .slow_links import CO2_LOCAL_STEPS, check_levels, slow_link_variants
 
 OFFLOAD_FRACTIONS = (0.125, 0.25, 0.5, 0.75, 1.0)
 _POLICY_ORDER = {"none": 0, "selective": 1, "full": 2}
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def parse_tokens(text: str | int) -> int:
@@ -115,6 +112,8 @@ class Request:
     def __post_init__(self):
         if self.gpus < 1:
             raise ConfigError(f"--gpus must be at least 1, got {self.gpus}.")
+        if self.gpus > LISTED_UP_TO:  # (the mesh shapes are the GPU count's divisors, listed up to 10**12)
+            raise ConfigError(f"--gpus must be at most 10**12, got {self.gpus}: check it for a typo.")
         if self.gpus_per_node < 1:
             raise ConfigError(f"--gpus-per-node must be at least 1, got {self.gpus_per_node}.")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
