@@ -10,7 +10,7 @@ What it computes, for tokens x [T, dim] (padding: `real` [T] False) and float64 
   sigmoid (DeepSeek-V3): s = sigmoid(l), the balancing loss reads s / sum(s); a group scores the sum of its two
   best biased scores, a token picks among its topk_groups best groups; weights s[chosen] / (sum + 1e-20);
   dts (DTS-Gate, no Gumbel noise): at step t of n, done = min(1, t / n), temperature T0 + (1 - T0) done,
-  round(E + (k - E) done) experts (at least k) of softmax(l / temperature), weighted as softmax's;
+  floor(E + (k - E) done + 1/2) experts (at least k) of softmax(l / temperature), weighted as softmax's;
   sinkhorn (S-BASE): in evaluation softmax's top-k; in training the balanced assignment (given, its contract
   checked by the caller), weighted by the softmax probabilities as softmax's;
 - capacity (GShard, capacity_factor > 0): each expert keeps ceil(cf x N x k / E) choices, slot 0's of every
@@ -27,6 +27,7 @@ What it computes, for tokens x [T, dim] (padding: `real` [T] False) and float64 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +52,10 @@ def dts_schedule(case: dict) -> tuple[float, int]:
         return dts_schedule({**case, "no_step": False, "step": 0}) if case["training"] else (1.0, case["top_k"])
     done = 1.0 if case["dts_steps"] == 0 else min(1.0, case["step"] / case["dts_steps"])
     temperature = case["dts_temperature"] + (1.0 - case["dts_temperature"]) * done
-    return temperature, max(case["top_k"], round(case["experts"] + (case["top_k"] - case["experts"]) * done))
+    # (rounded half up, exactly: docs/moe.md's floor(x + 1/2), not round()'s ties to even)
+    exact = Fraction(1) if case["dts_steps"] == 0 else min(Fraction(1), Fraction(case["step"], case["dts_steps"]))
+    return temperature, max(case["top_k"], math.floor(case["experts"] + (case["top_k"] - case["experts"]) * exact
+                                                      + Fraction(1, 2)))
 
 
 def _sigmoid_choice(scores: torch.Tensor, bias: list[float], case: dict) -> tuple[list[int], float]:

@@ -52,7 +52,7 @@ from .hf_families import (
     qwen_moe_dense_layers,
     with_family_defaults,
 )
-from .hf_rope import config_reach, rope_fields
+from .hf_rope import config_reach, linear_reach, rope_fields
 from .schema import MOE_FAMILIES, ModelConfig
 
 # [model] keys that extend a loaded model's context without contradicting its weights
@@ -279,7 +279,7 @@ def model_fields_from_hf(hf: dict, where: str = "config.json", max_seq_len: int 
     )
     fields.update(rope_fields(hf, where))
     if fields["rope_scaling"] == "linear":  # (a linear config.json gives the length before its factor: positions.py)
-        fields["max_seq_len"] = int(fields["max_seq_len"] * fields["rope_factor"])
+        fields["max_seq_len"] = linear_reach(fields["max_seq_len"], fields["rope_factor"])
     fields.update(_moe_fields(hf, family, where) if family in MOE_FAMILIES else _dense_moe_fields())
     return fields
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .hf import FAMILIES, HFFormatError
+from .hf_rope import linear_positions
 from .layer_lists import parse_layer_list
 from .positions import scaled_reach
 from .schema import MOE_FAMILIES
@@ -144,8 +145,8 @@ def _max_positions(m, trained: int = 0) -> int:
         scaled = m.rope_original_max_len * m.rope_factor
         if scaled >= length and float(scaled).is_integer():
             return int(scaled)
-    if m.rope_scaling == "linear":  # (rounded down: a reach read back never past the trained one)
-        return max(1, int(length / m.rope_factor))
+    if m.rope_scaling == "linear":  # (a reach read back never past the trained one, and no shorter)
+        return linear_positions(length, m.rope_factor)
     return length
 
 

@@ -106,9 +106,29 @@ def rope_fields(hf: dict, where: str) -> dict[str, Any]:
     return out
 
 
+def linear_reach(positions: int, factor: float) -> int:
+    """The positions a linear scaling by `factor` over max_position_embeddings=`positions` reaches, as longctx
+    reads a config.json (transformers: a factor of x handles x times the pre-trained length; vLLM alike):
+    the whole positions of positions x factor."""
+    return int(positions * factor)
+
+
+def linear_positions(reach: int, factor: float) -> int:
+    """max_position_embeddings for a linear scaling by `factor` that reaches `reach`: the largest whose
+    linear_reach is not past it (at least 1), so a config.json read (linear_reach) and written back gives its
+    own max_position_embeddings again. int(reach / factor) is not that: 4,096 x 3.3 reads as 13,516, and
+    13,516 / 3.3 = 4,095.76 wrote 4,095, one position shorter on every round trip."""
+    positions = max(1, int(reach / factor))
+    while positions > 1 and linear_reach(positions, factor) > reach:
+        positions -= 1
+    while linear_reach(positions + 1, factor) <= reach:
+        positions += 1
+    return positions
+
+
 def config_reach(config: dict) -> int:
     """The positions a config.json's model reaches as its readers count them: max_position_embeddings,
     times the factor of a linear scaling (whose configs give the length before it)."""
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}  # (transformers 5 writes rope_parameters)
     factor = rope.get("factor") if rope.get("rope_type", rope.get("type")) == "linear" else 1
-    return int(config["max_position_embeddings"] * (factor or 1))
+    return linear_reach(config["max_position_embeddings"], factor or 1)

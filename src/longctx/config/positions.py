@@ -94,6 +94,7 @@ def trained_positions(init_from: str) -> TrainedPositions:
     """What the weights of `init_from` (hf:DIR or a longctx checkpoint) trained on."""
     from .hf import checkpoint_manifest, hf_dir, model_config, read_hf_config, resolve_init_from
     from .hf_families import with_family_defaults
+    from .hf_rope import linear_reach
 
     values, trained = {"init_from": init_from}, None
     if init_from.startswith("hf:"):
@@ -107,7 +108,7 @@ def trained_positions(init_from: str) -> TrainedPositions:
     if init_from.startswith("hf:"):
         trained = trained or own.max_seq_len
         if own.rope_scaling == "linear":
-            return TrainedPositions(int(trained * own.rope_factor), own, "its config.json's "
+            return TrainedPositions(linear_reach(trained, own.rope_factor), own, "its config.json's "
                                     "max_position_embeddings x its linear RoPE factor")
         return TrainedPositions(trained, own, "its config.json's max_position_embeddings")
     path, manifest = checkpoint_manifest(init_from)

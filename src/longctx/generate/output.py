@@ -115,10 +115,11 @@ class Stream:
         self.settled = 0  # tokens whose text is final: it is self.unshown's prefix, or shown already
         self.base, self.unshown = 0, ""  # the settled text from character `base` on (base <= shown)
         self.origin = 0  # where the continuation's text begins: after the prompt's last ids, not shown
+        self.context = 0  # how many of self.tokens are the prompt's (prompt_context's ids)
         if prompt_ids:  # (the text as it reads after the prompt, continuation_text's: its first space kept)
             self.tokens, head = prompt_context(tokenizer, prompt_ids)
-            self.settled, self.shown = len(self.tokens), len(head)
-            self.base = self.origin = len(head)
+            self.settled = self.context = len(self.tokens)
+            self.shown = self.base = self.origin = len(head)
 
     def __call__(self, row: int, token: int) -> None:
         self.tokens.append(token)
@@ -140,7 +141,11 @@ class Stream:
 
     def _text_from_base(self) -> str:
         """The text of all tokens so far, from character `base` on."""
-        start, head = from_character(self.tokenizer, self.tokens, max(0, self.settled - CONTEXT_TOKENS), self.settled)
+        first = self.settled - CONTEXT_TOKENS
+        # (not inside the prompt's ids: prompt_context begins them where the line's decoding reads them from, which
+        # may be further back, at a run of byte tokens a stray byte poisons)
+        first = 0 if first < self.context else first
+        start, head = from_character(self.tokenizer, self.tokens, first, self.settled)
         context = self.tokens[start:self.settled]
         whole = self.tokenizer.decode([*context, *self.tokens[self.settled:]])
         if whole.startswith(head):
@@ -238,9 +243,12 @@ def _poisoned_run(tokenizer, ids, start: int, end: int) -> int | None:
 
 def prompt_context(tokenizer, prompt_ids) -> tuple[list[int], str]:
     """(the prompt's last ids a continuation is decoded after, their text): up to CONTEXT_TOKENS, begun on a
-    character (from_character)."""
+    character, or further back at the first token of a run of byte tokens a stray byte poisons (from_character,
+    `exact`): begun inside such a run, its ids decoded as text that the prompt's own decoding has as U+FFFD, and
+    the line's text was the run's later bytes as characters where decode(prompt + tokens) less decode(prompt)
+    has U+FFFD."""
     n = len(prompt_ids)
-    start, head = from_character(tokenizer, prompt_ids, max(0, n - CONTEXT_TOKENS), n)
+    start, head = from_character(tokenizer, prompt_ids, max(0, n - CONTEXT_TOKENS), n, exact=True)
     return [int(t) for t in prompt_ids[start:]], head
 
 

@@ -185,11 +185,21 @@ class SinkhornRouter(Router):
         return Routing(chosen, self._weights(probs, chosen), probs, logits)
 
 
+def scheduled_experts(experts: int, top_k: int, step: int, steps: int) -> int:
+    """DTS-Gate's experts per token at optimizer `step` (0-based) of `steps`: E - (E - top_k) x step / steps,
+    rounded half up (floor(x + 1/2)) in integers, top_k from `steps` on. Python's round() took ties to the
+    even count, so 8 experts to 2 over 12 steps kept 8 for 2 steps, 7 for 1, 6 for 3, 5 for 1: an even / odd
+    wobble in a schedule documented as linear; half up drops one expert every 2 steps there."""
+    if steps == 0 or step >= steps:
+        return top_k
+    return (2 * (experts * steps - (experts - top_k) * step) + steps) // (2 * steps)
+
+
 class DTSRouter(Router):
     """DTS-Gate (dense to sparse): a softmax gate whose temperature goes from moe.dts_temperature to
     1 and whose number of experts goes from all of them to top_k, linearly over moe.dts_steps
-    optimizer steps. The paper's Gumbel noise is left out, so that routing stays a function of the
-    token (the same under every layout and in recomputation).
+    optimizer steps (the count rounded half up: scheduled_experts). The paper's Gumbel noise is left out, so
+    that routing stays a function of the token (the same under every layout and in recomputation).
 
     In evaluation (moe.dts_eval): `schedule` routes as training does at the router's step (what the weights were
     trained to, also during the warm-up), `top_k` as the schedule ends (top-k at temperature 1). With no step set
@@ -205,8 +215,7 @@ class DTSRouter(Router):
         """(temperature, experts per token) at an optimizer step (0-based)."""
         done = 1.0 if self.steps == 0 else min(1.0, step / self.steps)
         temperature = self.start_temperature + (1.0 - self.start_temperature) * done
-        k = round(self.experts + (self.top_k - self.experts) * done)
-        return temperature, max(self.top_k, k)
+        return temperature, scheduled_experts(self.experts, self.top_k, step, self.steps)
 
     def routing(self) -> tuple[float, int]:
         """(temperature, experts per token) of the next call, in training or evaluation."""

@@ -12,7 +12,8 @@ another's training text. When the hash
 holds out nothing at all, the piece with the lowest hash is (`split_items`), so an eval fraction
 above 0 always gives an eval split unless the corpus is a single piece. An append holds out a revision of
 that document (the same name) the same way, at the offset its first version's held-out part starts
-(fallback_parts.py): a document's revision is held out as its first version was.
+(fallback_parts.py), whatever its own pieces' hashes hold out besides: a document's revision is held out
+as its first version was.
 """
 
 from __future__ import annotations
@@ -144,20 +145,31 @@ def _cuts(corpus: ScannedCorpus, scanned: int, length: int, piece_len: int) -> l
 def _hold_revisions(items: dict[str, Items], where: np.ndarray, revisions: list[tuple[int, int]],
                     corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengths: np.ndarray, piece_len: int,
                     seq_len: int, log) -> dict[str, Items]:
-    """The items with each (document, piece) of `revisions` held out as the fallback holds a piece out, where the
-    hash left the document wholly in train (`where` updated)."""
+    """The items with each (document, piece) of `revisions` held out as the fallback holds a piece out (`where`
+    updated). Also where the revision's own hash holds out some other piece of it: skipping those trained on the
+    part at the first version's held-out offset, a copy of the store's own eval text."""
     for doc, piece in revisions:
-        if where[doc] == IN_TRAIN:  # (else the hash holds out some of it already)
-            items = _move_to_eval(items, doc, piece, corpus, int(kept[doc]), int(lengths[doc]), piece_len, seq_len)
-            where[doc] = IN_BOTH if lengths[doc] > seq_len else IN_EVAL
+        trained = _trained_tokens(items, doc)
+        items = _move_to_eval(items, doc, piece, corpus, int(kept[doc]), int(lengths[doc]), piece_len, seq_len)
+        left = _trained_tokens(items, doc)
+        where[doc] = IN_BOTH if left else IN_EVAL
+        if left < trained:
             log(f"  eval split: held out {names[doc]}, as the store's eval split holds its earlier version")
     return items
+
+
+def _trained_tokens(items: dict[str, Items], doc: int) -> int:
+    """The tokens of document `doc` in the train items (its items are consecutive: document order)."""
+    train = items["train"]
+    lo = bisect.bisect_left(train.doc, doc)
+    return sum(train.length[lo:bisect.bisect_right(train.doc, doc)])
 
 
 def _move_to_eval(items: dict[str, Items], doc: int, piece: int, corpus: ScannedCorpus, scanned: int, length: int,
                   piece_len: int, seq_len: int) -> dict[str, Items]:
     """The items with the sample-sized part of piece `piece` of document `doc` where it starts (all of
-    the document if it fits a sample) in eval, which it joins in document order."""
+    the document if it fits a sample) in eval, which it joins in document order: what of that part the train
+    items held moves (a part the hash holds out already, whole or in part, is not held out twice)."""
     start = 0 if length <= piece_len else _cuts(corpus, scanned, length, piece_len)[piece]
     if length <= seq_len:  # (also a document cut into pieces by a grid shorter than a sample: all of it)
         start, size = 0, length
@@ -165,17 +177,19 @@ def _move_to_eval(items: dict[str, Items], doc: int, piece: int, corpus: Scanned
         cuts = _cuts(corpus, scanned, length, seq_len)
         i = bisect.bisect_right(cuts, start) - 1  # the sample-sized part holding `start`
         start, size = cuts[i], cuts[i + 1] - cuts[i]
-    train = Items()
+    end = start + size
+    train, moved = Items(), []
     for d, s, m in zip(items["train"].doc, items["train"].start, items["train"].length):
-        if d != doc:
+        if d != doc or s + m <= start or s >= end:
             train.add(d, s, m)
             continue
-        # document `doc` was one train item: keep what is not the held-out piece
-        if start > s:
+        # a train item of document `doc` overlapping the held-out part: keep what lies outside it
+        if s < start:
             train.add(d, s, start - s)
-        if start + size < s + m:
-            train.add(d, start + size, s + m - start - size)
+        moved.append((d, max(s, start), min(s + m, end) - max(s, start)))
+        if end < s + m:
+            train.add(d, end, s + m - end)
     held_out = Items()
-    for d, s, m in sorted([*zip(items["eval"].doc, items["eval"].start, items["eval"].length), (doc, start, size)]):
-        held_out.add(d, s, m)
+    for d, s, m in sorted([*zip(items["eval"].doc, items["eval"].start, items["eval"].length), *moved]):
+        held_out.extend(d, s, m)
     return {"train": train, "eval": held_out}
