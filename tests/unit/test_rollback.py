@@ -266,15 +266,16 @@ def test_the_spike_check_is_the_running_median():
     for loss in losses:
         ok, spike = guard.check(torch.tensor(loss, dtype=torch.float64), torch.tensor(1.0))
         decisions.append((bool(ok), bool(spike)))
-    # written independently: a spike is a finite loss over 2 x the median of the last 4 slots, once
-    # 4 steps were seen; a bad step leaves its slot empty
+    # written independently (docs/running.md): a spike is a finite loss over 2 x the median of the last 4
+    # good steps' losses, once 4 good steps were seen; a bad step's loss is not among them
     window = []
-    for i, loss in enumerate(losses):
+    for loss in losses:
         finite = loss == loss
-        known = [x for x in window[-4:] if x is not None]
-        spike = finite and i >= 4 and loss > 2.0 * sorted(known)[(len(known) - 1) // 2]
+        known = window[-4:]
+        spike = finite and len(known) == 4 and loss > 2.0 * sorted(known)[(len(known) - 1) // 2]
         good_history.append((finite and not spike, spike))
-        window.append(loss if finite and not spike else None)
+        if finite and not spike:
+            window.append(loss)
     assert decisions == good_history
     assert decisions[4] == (False, True) and decisions[5] == (False, False) and decisions[8] == (False, True)
 

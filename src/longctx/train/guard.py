@@ -2,8 +2,11 @@
 
 A step is bad when its global loss or gradient norm is not finite, or, with a spike factor, when
 its loss exceeds spike_factor x the median of the last spike_window good steps' losses (the check
-starts once that window is full: the first steps' losses fall too fast to have a median). The
-decision is a 0-d bool tensor on the device, taken by the optimizer step like a gradient scaler's
+starts once that window is full: the first steps' losses fall too fast to have a median). A bad
+step's loss never enters the window and pushes no good one out: after a streak of bad steps the check
+still compares with the last good ones (it once kept one slot per step, a bad step's empty, so
+spike_window bad steps in a row emptied it and switched the check off: the next spike was applied).
+The decision is a 0-d bool tensor on the device, taken by the optimizer step like a gradient scaler's
 found-inf (step.guarded_step): no step waits for the device. The window is a small device tensor,
 written every step; what the loop does with a bad step (skip, stop, roll back) is read later, with
 the step's other figures. The window is training state: checkpoints save it beside the data position
@@ -28,26 +31,24 @@ class StepGuard:
 
     def reset(self) -> None:
         """Forget the losses seen (a new guard, or a checkpoint saved without a window)."""
+        # the last `window` good steps' losses, oldest first, NaN where none yet: it fills from its end
         self._recent = torch.full((self.window,), float("nan"), dtype=torch.float64, device=self.device)
-        self._seen = 0  # steps checked since the reset (host count: no read of the device)
 
     def state_dict(self) -> dict:
-        """The window as JSON: the losses of the last min(steps seen, spike_window) steps, oldest
-        first, None for a bad step's empty slot. Read on the host (a save waits for the device anyway)."""
-        n = min(self._seen, self.window)
-        recent = self._recent.tolist()
-        ordered = [recent[i % self.window] for i in range(self._seen - n, self._seen)]
-        return {"losses": [None if math.isnan(x) else x for x in ordered]}
+        """The window as JSON: the last min(good steps seen, spike_window) good steps' losses, oldest first.
+        Read on the host (a save waits for the device anyway)."""
+        return {"losses": [x for x in self._recent.tolist() if not math.isnan(x)]}
 
     def load_state_dict(self, state: dict | None) -> None:
         """Restore a window saved by state_dict (None: a checkpoint saved without one; the window
         starts empty, as after reset). Under another train.spike_window the newest losses that fit
-        are kept, and the check starts once the window is full again."""
+        are kept, and the check starts once the window is full again. A window saved with a slot per
+        step holds None for a bad step's: left out, as the good steps' window has no place for it."""
         self.reset()
-        losses = [] if state is None else list(state["losses"])[-self.window:]
-        values = [float("nan") if x is None else float(x) for x in losses]
-        self._recent[:len(values)] = torch.tensor(values, dtype=torch.float64)
-        self._seen = len(values)
+        losses = [] if state is None else [float(x) for x in state["losses"] if x is not None]
+        values = losses[len(losses) - min(len(losses), self.window):]
+        if values:
+            self._recent[self.window - len(values):] = torch.tensor(values, dtype=torch.float64)
 
     def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(apply the update, is a spike): 0-d bool tensors, the same on every rank (the loss and
@@ -56,13 +57,11 @@ class StepGuard:
         if not self.factor:
             return finite, torch.zeros((), dtype=torch.bool, device=finite.device)
         loss = loss.detach().to(torch.float64)
-        if self._seen >= self.window:  # a bad step's slot holds NaN, which the median ignores
-            spike = finite & (loss > self.factor * torch.nanmedian(self._recent))
-        else:
-            spike = torch.zeros((), dtype=torch.bool, device=finite.device)
+        full = ~torch.isnan(self._recent[0])  # (on the device: which steps were good is not read on the host)
+        spike = finite & full & (loss > self.factor * torch.nanmedian(self._recent))
         good = finite & ~spike
-        self._recent[self._seen % self.window] = torch.where(good, loss, torch.full_like(loss, float("nan")))
-        self._seen += 1
+        # a good step's loss joins the window, its oldest leaves; a bad step leaves it as it was
+        self._recent = torch.where(good, torch.cat([self._recent[1:], loss.reshape(1)]), self._recent)
         return good, spike
 
 
