@@ -53,12 +53,15 @@ class StopStrings:
                                   f"never shows (special tokens decode to nothing), so it could never match; give "
                                   f"--stop {inside[0]!r} on its own (a row then ends when that token is generated).")
         self.window = 4 * max((len(s) for s in self.stops), default=0) + 4
-        self.contexts: list = []  # each row's prompt ids (`rows`): its text is read after them
+        self.contexts: list = []  # each row's prompt_context (`rows`; None for no prompt): its text is read after it
 
     def rows(self, prompts: list, samples: int = 1) -> None:
         """The prompts (their ids) of the rows checked next, prompt-major with `samples` rows each, as the decode
-        loop numbers its rows; a speculative prompt is row 0."""
-        self.contexts = [ids for ids in prompts for _ in range(samples)]
+        loop numbers its rows; a speculative prompt is row 0. Each prompt's context is found once here, not at
+        every check: prompt_context walks a run of byte tokens the prompt ends in back to its start (a prompt of
+        100K byte tokens cost each of a row's first checks that walk, about 70 ms)."""
+        contexts = [prompt_context(self.tokenizer, ids) if len(ids) else None for ids in prompts]
+        self.contexts = [context for context in contexts for _ in range(samples)]
 
     def __call__(self, row: int, tokens: list[int]) -> bool:
         if tokens and tokens[-1] in self.stop_ids:
@@ -71,17 +74,17 @@ class StopStrings:
 
     def tail(self, tokens: list[int], context=None, exact: bool = False) -> str:
         """The text of the last tokens of `tokens`, enough of them to hold any stop string the last one ends;
-        where that is the whole row, as it reads after its prompt's ids `context` (continuation_text).
+        where that is the whole row, as it reads after its prompt's `context` (prompt_context's; text_after).
         `exact`: begun where the row's decoding reads a character from, in a run of byte tokens too
         (from_character)."""
         n, last = self.window, None
         while True:
             if n >= len(tokens) and context:
-                return continuation_text(self.tokenizer, context, tokens)
+                return text_after(self.tokenizer, context, tokens)
             # (begun on a character, not inside one: see from_character)
             start, text = from_character(self.tokenizer, tokens, max(0, len(tokens) - n), len(tokens), exact)
             if start == 0 and context:  # (a run of byte tokens back to the row's start: as the line reads it)
-                return continuation_text(self.tokenizer, context, tokens)
+                return text_after(self.tokenizer, context, tokens)
             if n >= len(tokens):
                 return text
             if last is None:  # (the last token's own text: the characters before it are what counts)
@@ -258,9 +261,14 @@ def continuation_text(tokenizer, prompt_ids, tokens) -> str:
     decoder (Llama-2, Mistral: its Strip) drops the first space: '▁time' is 'time', and prompt +
     that reads 'Once upon atime'. Plain decoding when the prompt's text is not a prefix of the whole
     (a character split across the boundary)."""
-    context, head = prompt_context(tokenizer, prompt_ids)
-    whole = tokenizer.decode([*context, *tokens])
-    return whole[len(head):] if context and whole.startswith(head) else tokenizer.decode(tokens)
+    return text_after(tokenizer, prompt_context(tokenizer, prompt_ids), tokens)
+
+
+def text_after(tokenizer, context: tuple[list[int], str], tokens) -> str:
+    """continuation_text of a prompt whose prompt_context is `context` (found once per prompt)."""
+    ids, head = context
+    whole = tokenizer.decode([*ids, *tokens])
+    return whole[len(head):] if ids and whole.startswith(head) else tokenizer.decode(tokens)
 
 
 class Output:
