@@ -65,6 +65,11 @@ CASES = {
     # nothing recomputed: the count's core phase holds fp32 dk / dv accumulators and the MLP's gradients of
     # every token beside each other, which the kernel's order never does
     "none-attention-chunks": (MemoryPolicy("none", loss_chunk=CHUNK, attention_chunk=CHUNK), 1.6),
+    # the plain (unchunked) loss: its forward saves the head weight's bf16 copy, counted with the saved activations
+    # since 2026-12-07 and then no longer in the head's backward transient too (1.0078 x, a 2 x vocab x dim
+    # double count); the transient is cross_entropy's two fp32 [tokens, vocab] gradients, exact
+    "full-plain-loss": (MemoryPolicy("full"), 1.001),
+    "none-plain-loss": (MemoryPolicy("none"), 1.001),
 }
 
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 from ..config import ModelConfig
 from ..models.flops import attention_matmul_params, dense_ffn_params, matmul_params_per_layer, moe_ffn_params
-from .block_parts import block_part_bytes, compute_bytes
+from .block_parts import autocast_norm_bytes, block_part_bytes, compute_bytes
 from .moe_counts import experts_copied, moe_call_terms, moe_calls, moe_weight_copy_params
 from .policy import MemoryPolicy
 
@@ -142,34 +142,49 @@ def _output_held(p: int, recompute: str, i: int, layers: int, loss_chunked: bool
     return loss_chunked if i == layers - 1 else recompute != "none"
 
 
+def _final_norm_bytes(model: ModelConfig, part: dict[str, float], autocast: bool) -> float:
+    """Bytes per token the final norm keeps for the plain (unchunked) loss: a block norm's, but under autocast it
+    feeds one matmul, the LM head, whose bf16 cast of it is all it keeps beside its fp32 values and statistics."""
+    return autocast_norm_bytes(model.dim, 2, 1) if autocast else part["norm"]
+
+
+def head_weight_copy_bytes(model: ModelConfig, loss_chunked: bool, autocast: bool) -> int:
+    """The LM head's bf16 weight copy that the plain loss's matmul keeps for backward under autocast over fp32
+    weights (uncached: step/loss.py), [vocab, dim] once per micro-batch whatever its tokens; a chunked loss
+    recomputes each chunk's logits in backward and keeps none."""
+    return 2 * model.vocab_size * model.dim if autocast and not loss_chunked else 0
+
+
 def _outside_blocks(model: ModelConfig, part: dict[str, float], p: int, offloaded: int, loss_chunked: bool,
-                    recompute: str = "none") -> float:
+                    recompute: str = "none", autocast: bool = False) -> float:
     """Device bytes per token kept outside the blocks: RoPE tables, the embeddings output, the final
-    norm and what the loss keeps."""
+    norm and what the loss keeps (the LM head's weight copy under autocast: head_weight_copy_bytes)."""
     embeddings = not offloaded and _output_held(p, recompute, -1, model.layers, loss_chunked)
     return (
         8 * model.resolved_head_dim                                     # RoPE cos/sin tables, fp32
         + (p * model.dim if embeddings else 0)                          # embeddings output = block 0's input
         # the final norm: inside a chunked loss it is recomputed per chunk and keeps nothing
-        + (0 if loss_chunked else part["norm"])
+        + (0 if loss_chunked else _final_norm_bytes(model, part, autocast))
         + (4 if loss_chunked else 4 * model.vocab_size)                 # lse per token, or log-softmax
     )
 
 
 def loss_saved_bytes(model: ModelConfig, seq_len: int, micro_batch: int = 1, *, head: int = 1, ctx: int = 1,
-                     policy: MemoryPolicy = NO_POLICY, dtype_bytes: int = 4) -> float:
+                     policy: MemoryPolicy = NO_POLICY, dtype_bytes: int = 4, autocast: bool = False) -> float:
     """Device bytes of the saved activations that the loss's backward frees before any block's backward
     runs: the final norm's and the loss's own (what `_outside_blocks` counts beyond the RoPE tables and the
-    embeddings output) and the last block's output when the final norm or the chunked loss is what holds it
-    (`_output_held`). A block's backward peak (memory/transients.py) sits on the saved total less these."""
+    embeddings output, with the LM head's weight copy under `autocast`) and the last block's output when the
+    final norm or the chunked loss is what holds it (`_output_held`). A block's backward peak
+    (memory/transients.py) sits on the saved total less these."""
     p, L = dtype_bytes, model.layers
     tokens = micro_batch * seq_len // (head * ctx)
     loss_chunked = bool(policy.loss_chunk) and tokens > policy.loss_chunk
     part = block_part_bytes(model, head, p)
-    per_token = (0 if loss_chunked else part["norm"]) + (4 if loss_chunked else 4 * model.vocab_size)
+    per_token = ((0 if loss_chunked else _final_norm_bytes(model, part, autocast))
+                 + (4 if loss_chunked else 4 * model.vocab_size))
     if _output_held(p, policy.recompute, L - 1, L, loss_chunked):
         per_token += part["block_out"]
-    return tokens * per_token
+    return tokens * per_token + head_weight_copy_bytes(model, loss_chunked, autocast)
 
 
 @dataclass
@@ -329,7 +344,7 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
     offloaded = sum(la.offloaded for la in layers)
     loss_chunked = bool(policy.loss_chunk) and tokens > policy.loss_chunk
     model_device = _outside_blocks(model, block_part_bytes(model, head, p, docs), p, offloaded, loss_chunked,
-                                   policy.recompute)
+                                   policy.recompute, autocast)
     # per-block figures: the largest block of its kind (kept, offloaded); with every block offloaded
     # (offload_skip_last 0) or none, what one of them would keep, as if it were of the other kind
     all_kept = layer_activations(model, seq_len, micro_batch, head=head, ctx=ctx,
@@ -350,8 +365,9 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
         per_block_device=per_block_device,
         per_block_host=per_block_host,
         kept_block_device=max(la.device for la in kept),
-        model_device=tokens * model_device,
-        total_device=sum(la.device for la in layers) + tokens * model_device,
+        model_device=tokens * model_device + head_weight_copy_bytes(model, loss_chunked, autocast),
+        total_device=(sum(la.device for la in layers) + tokens * model_device
+                      + head_weight_copy_bytes(model, loss_chunked, autocast)),
         total_host=sum(la.host for la in layers),
         recompute_flops=sum(la.recompute_flops for la in layers),
         tokens=tokens,

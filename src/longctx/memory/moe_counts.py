@@ -29,8 +29,9 @@ def moe_ffn_bytes(m: ModelConfig, p: int, c: int | None = None) -> float:
       autocast count of the norm leaves out (block_parts.autocast_norm_bytes);
     - the chosen experts [k] (int64, the weights' gather index); the routing weights [k] (c each,
       as the combine multiplies them: under autocast their bf16 cast), and with renormalised top-k
-      (moe.norm_topk, at any k; not the switch router, whose weight is its probability) the gathered
-      probabilities [k] and their sum, fp32;
+      (moe.norm_topk, at k > 1; not the switch router, whose weight is its probability) the gathered
+      probabilities [k] and their sum, fp32 (at top-1 the renormalised weight is the constant 1, which keeps
+      neither: models/moe.py Router._weights);
     - permute (TokenRows): the inverse permutation of the T k slots (int64), which its backward
       gathers by, and the permuted tokens [k, d] (`routed_row_bytes`);
     - the routed experts: SwiGLU intermediates of expert_dim for each of the k slots (w1 out, silu
@@ -52,7 +53,7 @@ def moe_ffn_bytes(m: ModelConfig, p: int, c: int | None = None) -> float:
         router += 4 * d - (0 if S else p * d)
     elif c < p:
         router += 4 * d
-    choice = 8 * k + c * k + (4 * k + 4 if m.moe_norm_topk and m.moe_router != "switch" else 0)
+    choice = 8 * k + c * k + (4 * k + 4 if m.moe_norm_topk and m.moe_router != "switch" and k > 1 else 0)
     choice += k if m.moe_capacity_factor > 0 else 0
     permute = 8 * k + k * routed_row_bytes(m, p, c)
     experts = 4 * c * k * H

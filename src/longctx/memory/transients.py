@@ -228,7 +228,9 @@ def lm_head_bytes(m: ModelConfig, tokens: int, loss_chunk: int, e: int, autocast
     int64, the fp32 scale and one-hot values: 16 B), and the hidden-state gradient the backward fills for
     all `tokens` (e x dim, alive from its start: fp32 under autocast, the residual stream's). Unchunked:
     cross_entropy's backward holds two fp32 [tokens, vocab] gradients at once (nll's and log-softmax's), 8 B
-    per element whatever the dtype. Under autocast also the head weight's bf16 copy (2 B per element).
+    per element whatever the dtype. Under autocast a chunked loss also casts the head weight to bf16 afresh in
+    backward (2 B per element); the plain loss's copy is one its forward saved, counted with the saved
+    activations (accounting.py head_weight_copy_bytes), not again here.
     (Measured: tests/unit/test_peaks_audit_lm_head.py, test_autocast_transients.py; the head's fp32 weight
     gradient is the model states'.)"""
     # autocast: the head weight's bf16 copy for the chunks' matmuls (2 B per element)
@@ -246,7 +248,7 @@ def lm_head_bytes(m: ModelConfig, tokens: int, loss_chunk: int, e: int, autocast
         logits = m.vocab_size * (c + 4)
         norm_backward = m.vocab_size * c + 6 * 4 * m.dim
         return loss_chunk * (max(logits, norm_backward) + norm + 16) + tokens * e * m.dim + weight
-    return tokens * m.vocab_size * 8 + weight
+    return tokens * m.vocab_size * 8
 
 
 def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int, window: int = 0,
@@ -326,7 +328,8 @@ def block_after_loss_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, he
     block = _block_backward_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, window=window, policy=policy,
                                   e=e, docs=docs, acts=acts, autocast=autocast)
     # a block's backward runs after the loss's: what the final norm and the loss saved is freed by then
-    freed = loss_saved_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy, dtype_bytes=e)
+    freed = loss_saved_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy, dtype_bytes=e,
+                             autocast=autocast)
     return block - freed
 
 
