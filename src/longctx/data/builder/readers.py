@@ -58,7 +58,7 @@ _NO_RESPONSE = object()  # a plain document's record (no --response-field)
 SKIP_REASONS = {
     "empty": "empty",                            # no text, or whitespace only
     "binary": "binary",                          # a NUL byte in the first 8 KiB
-    "invalid_utf8": "not UTF-8",                 # also a JSON string with a lone surrogate ("\ud800")
+    "invalid_utf8": "not UTF-8",                 # also a .jsonl line in UTF-16, a JSON string "\ud800" (lone surrogate)
     "other_suffix": "unsupported suffix",        # a file of a kind no reader takes (e.g. .png, .parquet.gz)
     "bad_json_line": "unparsable JSON line",     # also a line that is not a JSON object
     "missing_text_field": "no text field",       # a record without the text field, or a non-string value
@@ -290,9 +290,17 @@ def _iter_jsonl(lines: Iterable[bytes], name: str, fields: list[tuple], accept, 
     for i, line in enumerate(lines, start=1):
         if not line.strip():
             continue
+        # Decoded as UTF-8 here, not by json.loads, which takes bytes in UTF-16 and UTF-32 too: a UTF-16 file
+        # gave its first line as a document (split at b"\n", the lines after it are misaligned) and the rest
+        # as bad JSON. A UTF-8 BOM (a file's start, or where files were concatenated) is dropped.
         try:
-            record = json.loads(line)
-        except (UnicodeDecodeError, ValueError):
+            text = line[3:].decode("utf-8") if line.startswith(b"\xef\xbb\xbf") else line.decode("utf-8")
+        except UnicodeDecodeError:
+            skipped["invalid_utf8"] += 1
+            continue
+        try:
+            record = json.loads(text)
+        except ValueError:
             skipped["bad_json_line"] += 1
             continue
         if not isinstance(record, dict):
