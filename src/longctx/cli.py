@@ -52,6 +52,11 @@ def _cmd_train(args, overrides) -> int:
     if launcher and args.nproc:
         print(f"longctx train: note: --nproc {args.nproc} is ignored under torchrun, which started "
               f"{os.environ['WORLD_SIZE']} ranks", file=sys.stderr)
+    if not launcher and not args.print_config:  # (an explicit resume of a step a killed re-save left moved aside:
+        from .config.load import read_raw  # put back before the config, layout and preflight read it: moved_aside.py)
+        from .train.moved_aside import put_back_resumed
+
+        put_back_resumed(read_raw(args.config, overrides).get("checkpoint", {}).get("resume"))
     # the layout rule (config/layout.py): the saved run's on a resume unless this command names one,
     # else the command line's, completed by the default layout; what a resume prints is what runs
     run = resolve_layout(args.config, overrides, args.nproc, world=int(os.environ["WORLD_SIZE"]) if launcher else None,

@@ -250,8 +250,8 @@ def _segment(tmp_path, monkeypatch, rng, ref, captured, first, staged):
     root = tmp_path / "checkpoints"
     s = _settings(rng)
     explicit = None
-    # (not one moved aside: a start puts it back only after the run directory's checks, which resolve a PATH)
-    intact = sorted(n for n, d in ref.dirs.items() if d["damage"] is None and n != ref.moved)
+    # (one moved aside too: an explicit resume of it puts it back first, train/moved_aside.py)
+    intact = sorted(n for n, d in ref.dirs.items() if d["damage"] is None)
     if not first and len(intact) > 1 and rng.random() < 0.3:
         explicit = intact[rng.randrange(len(intact) - 1)]  # an older one: the newer are another attempt's
     own, refused = (explicit, False) if explicit else (None, False) if first else ref.pick()

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from ..config.checkpoint_paths import find_checkpoint
+from ..config.checkpoint_paths import find_checkpoint, moved_aside_note
 from ..config.hf import hf_dir, initial_hf_config, manifest_model, model_config
 from ..config.hf_export import SPECIAL_TOKEN_KEYS, check_exportable, declared_special_ids, export_notes
 from ..config.hf_families import MOE_DEFAULTS, QWEN_FAMILIES, family_window
@@ -56,7 +56,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
     if path is None:
         raise CheckpointError(f"{checkpoint} holds no complete checkpoint to export (a step-* directory with "
                               f"manifest.json, or a checkpoints directory holding them; a save that was interrupted "
-                              f"has none).")
+                              f"has none).{moved_aside_note(checkpoint)}")
     manifest = read_manifest(path)
     if manifest.get("draft"):  # (its manifest's [model] is the target's: the weights are not that model's)
         draft = manifest["draft"]

@@ -9,24 +9,32 @@ import shutil
 import uuid
 from pathlib import Path
 
-from ..config.checkpoint_paths import trajectory
-from .manifest import MANIFEST
+from ..config.checkpoint_paths import MANIFEST, MOVED_ASIDE, trajectory
 
-_TRASH = ".tmp-old-"  # a step directory a re-save of its step moved aside (restored if the commit died)
+_TRASH = MOVED_ASIDE  # a step directory a re-save of its step moved aside (restored if the commit died)
 _PRUNED = ".tmp-pruned-"  # a step directory keep-last is deleting (swept with the other .tmp-* at the next start)
 
 
 def sweep_leftovers(root: Path) -> None:
     """At a start (rank 0): what a killed save, commit or prune left in `root`."""
-    for old in root.glob(f"{_TRASH}step-*"):  # a commit killed after moving a complete step aside
-        final = root / old.name[len(_TRASH):].rsplit("-", 1)[0]  # (and before publishing its new one)
-        if old.is_dir() and (old / MANIFEST).is_file() and not final.exists():
-            os.replace(old, final)
+    for old in sorted(root.glob(f"{_TRASH}step-*")):  # a commit killed after moving a complete step aside
+        put_back(old)  # (and before publishing its new one)
     for stale in root.glob(".tmp-*"):  # leftovers of saves that never completed
         shutil.rmtree(stale, ignore_errors=True)
     for stale in root.glob(".*.tmp-*"):  # a `latest` (durable.py) a killed process left
         if stale.is_file():
             stale.unlink(missing_ok=True)
+
+
+def put_back(old: Path) -> Path | None:
+    """A complete step directory a re-save moved aside (`old`: .tmp-old-step-N-<hex>) back under its name, when that
+    is free: the step directory (None: left as it is). The caller holds the directory's run lock (train/run_lock.py:
+    a live run's re-save may be committing); sweep_leftovers, and an explicit resume of it (train/moved_aside.py)."""
+    final = old.parent / old.name[len(_TRASH):].rsplit("-", 1)[0]
+    if not (old.is_dir() and (old / MANIFEST).is_file()) or final.exists():
+        return None
+    os.replace(old, final)
+    return final
 
 
 def prune(root: Path, keep: int, keep_also: Path) -> None:

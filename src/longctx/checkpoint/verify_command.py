@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import datetime
 from pathlib import Path
 
-from ..config.checkpoint_paths import CheckpointError, find_checkpoint
+from ..config.checkpoint_paths import CheckpointError, find_checkpoint, moved_aside_note
 from ..config.tokenizer import tokenizer_file, tokenizer_identity
 from .manifest import MANIFEST, DamagedManifest, file_problem, read_manifest, unlisted_problems
 
@@ -103,7 +103,7 @@ def verify_lines(spec: str | Path) -> tuple[list[str], dict[str, str]]:
     path = find_checkpoint(spec)
     if path is None:
         raise CheckpointError(f"{spec} holds no complete checkpoint (a step-* directory with {MANIFEST}, or a "
-                              f"directory holding them); nothing was checked.")
+                              f"directory holding them); nothing was checked.{moved_aside_note(spec)}")
     manifest = read_manifest(path)  # (raises when its own checksum does not match)
     _check_fields(path, manifest)
     which = "" if Path(spec).resolve() == path.resolve() else f" (the latest complete one in {spec})"

@@ -8,12 +8,14 @@ checkpoint/ builds on it.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from ..errors import ConfigError, UserError
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
+MOVED_ASIDE = ".tmp-old-"  # a step directory a re-save of its step moved aside until the new one is published
 
 
 class CheckpointError(UserError):
@@ -112,7 +114,34 @@ def resolve_checkpoint(spec: str, root: Path) -> Path | None:
     word = {"auto": "auto", "none": "none", "null": "none"}.get(spec.strip().lower())
     hint = f" Did you mean --checkpoint.resume {word} (lowercase)?" if word and not path.exists() else ""
     raise CheckpointError(f"--checkpoint.resume {spec}: no complete checkpoint there (a step-* directory with "
-                          f"manifest.json, or a directory holding them).{hint}")
+                          f"manifest.json, or a directory holding them).{hint}{moved_aside_note(path)}")
+
+
+def moved_aside(path) -> Path | None:
+    """The complete step directory a re-save of `path`'s step moved aside (MOVED_ASIDE + its name + -<hex>, beside
+    it), where `path` itself is not there: what a kill between that move and the publish of the new one leaves,
+    and what the next start of its run puts back (checkpoint/retention.py). None: there is none."""
+    path = Path(path)
+    if not path.name.startswith("step-") or path.exists() or not path.parent.is_dir():
+        return None
+    for old in sorted(path.parent.glob(f"{MOVED_ASIDE}{path.name}-*")):  # (sorted: the one the sweep puts back)
+        if old.name[len(MOVED_ASIDE):].rsplit("-", 1)[0] == path.name and (old / MANIFEST).is_file():
+            return old
+    return None
+
+
+def moved_aside_note(spec) -> str:
+    """What a message that found no checkpoint at `spec` adds where its step is whole, moved aside (moved_aside):
+    where it is and how to put it back ('' where it is not)."""
+    path = Path(str(spec))
+    old = moved_aside(path)
+    if old is None:
+        return ""
+    return (f" {path.name} is whole, but moved aside as {old} by a re-save of that step that did not commit (killed "
+            f"before it published the new one, or committing now). Resuming it puts it back and trains on from it "
+            f"(`longctx train` with --checkpoint.resume {path}, or its run's --checkpoint.resume auto); to only put "
+            f"it back, with no `longctx train` running on {path.parent}: mv {shlex.quote(str(old))} "
+            f"{shlex.quote(str(path))}")
 
 
 def find_checkpoint(path) -> Path | None:
@@ -144,7 +173,8 @@ def check_weights_flag(spec: str, flag: str = "--checkpoint") -> None:
         inside = Path(spec) / "checkpoints"  # (a run directory: its checkpoints are one level down)
         hint = f" ({inside} holds some: pass {flag} {inside})" if find_checkpoint(inside) is not None else ""
         raise ConfigError(f"{flag} {spec} holds no complete longctx checkpoint (a step-* directory with {MANIFEST}, "
-                          f"or a checkpoints directory holding them){hint}; for Hugging Face weights write hf:DIR.")
+                          f"or a checkpoints directory holding them){hint}; for Hugging Face weights write hf:DIR."
+                          f"{moved_aside_note(spec)}")
     try:
         manifest = json.loads((found / MANIFEST).read_text())
     except (OSError, ValueError) as e:

@@ -40,7 +40,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .checkpoint_paths import MANIFEST, CheckpointError, find_checkpoint
+from .checkpoint_paths import MANIFEST, CheckpointError, find_checkpoint, moved_aside_note
 from .hf_families import (
     FAMILIES,
     MOE_DEFAULTS,
@@ -343,7 +343,8 @@ def checkpoint_manifest(init_from: str) -> tuple[Path, dict]:
     path = find_checkpoint(init_from)
     if path is None:
         raise HFFormatError(f"model.init_from = {init_from!r} holds no complete longctx checkpoint (a step-* directory "
-                            f"with {MANIFEST}, or a checkpoints directory); for Hugging Face weights write hf:DIR.")
+                            f"with {MANIFEST}, or a checkpoints directory); for Hugging Face weights write hf:DIR."
+                            f"{moved_aside_note(init_from)}")
     try:  # (its checksums are verified when the weights are loaded)
         return path, json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError) as e:

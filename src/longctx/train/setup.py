@@ -33,6 +33,7 @@ from ..durable import write_text_durably
 from ..errors import ConfigError, DataError
 from ..job.runtime import Runtime, on_main
 from .metrics import json_record
+from .moved_aside import put_back_resumed
 from .run_lock import RunLock
 from .stages import holdout_grid, stage_config
 
@@ -86,10 +87,12 @@ def check_run_dir(cfg: Config, target: Path | None = None) -> None:
         f"this one, --checkpoint.resume auto needs a checkpoint in {root}; to start over in it, delete it first.")
 
 
-def make_run_dir(cfg: Config, lock: RunLock | None = None) -> Path:
+def make_run_dir(cfg: Config, lock: RunLock | None = None, log=print) -> Path:
     """The run directory, made; `lock`: held by this run from here on, with the checkpoint directory of a run that
     saves or resumes, made now too (run_lock.py: before a start sweeps leftovers or moves metrics, another live
-    run's refused; its checkpoint manager would make it anyway)."""
+    run's refused; its checkpoint manager would make it anyway). First, the step an explicit --checkpoint.resume
+    names put back where a killed re-save left it moved aside (moved_aside.py), before anything resolves it."""
+    put_back_resumed(cfg.checkpoint.resume, log)
     if cfg.train.run_dir:
         check_run_dir(cfg)
         path = Path(cfg.train.run_dir)

@@ -133,7 +133,7 @@ class Trainer:
         check_packages(cfg)
         if cfg.train.compile:  # (before the data and the model: a rank started without `longctx train`'s preflight)
             check_compiler(self.device.type)
-        self.run_dir = Path(on_main(rt, lambda: str(make_run_dir(cfg, self.run_lock)), "making the run directory"))
+        self.run_dir = Path(on_main(rt, lambda: str(make_run_dir(cfg, self.run_lock, log)), "making the run directory"))
         self.cfg = resolve_offload(cfg, self.device, rt, self.log)
 
     def _build(self) -> None:
