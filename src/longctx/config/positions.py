@@ -42,11 +42,16 @@ def scaled_reach(m: ModelConfig) -> int:
 
 
 def unscaled_positions(m: ModelConfig, trained: int) -> int:
-    """The length the weights learned before `m`'s own scaling stretched it."""
+    """The length the weights learned before `m`'s own scaling stretched it. For linear, the largest length
+    whose stretch (linear_reach) is not past `trained` (hf_rope.linear_positions): int(trained / factor) was
+    one short for a non-integer factor (a config.json's 4,096 x 3.3 reads 13,516, and 13,516 / 3.3 gave 4,095),
+    so a changed scaling stretched 4,095 and a yarn original of 4,096 was called past what the weights learned."""
+    from .hf_rope import linear_positions
+
     if m.rope_scaling in _WITH_ORIGINAL:
         return min(trained, m.rope_original_max_len)
     if m.rope_scaling == "linear":
-        return int(trained / m.rope_factor)
+        return linear_positions(trained, m.rope_factor)
     return trained
 
 

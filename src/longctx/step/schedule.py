@@ -93,6 +93,13 @@ def schedule_words(cfg) -> str:
 
 # the train.* keys lr_at reads: what a checkpoint keeps of its run's schedule
 SCHEDULE_KEYS = ("lr", "steps", "warmup_steps", "lr_schedule", "lr_decay_fraction", "min_lr_ratio")
+# What the schedule was before a key existed, for a saved schedule_state without it (resume_note): that run trained
+# so, whatever the resuming config says. lr_schedule and lr_decay_fraction came in d0bb0d07 (before, a cosine over
+# every step after the warmup); lr, steps, warmup_steps and min_lr_ratio were there from the first commit. Every
+# schedule_state saved so far holds all six (it came in 037c9ebf, after them), so this is for a state written by
+# hand or by another tool, and the place a key added to SCHEDULE_KEYS later names its old behaviour (a missing key
+# without one here is read from the resuming config, which can hide a change).
+BEFORE_KEYS = {"lr_schedule": "cosine", "lr_decay_fraction": 1.0}
 
 
 def schedule_state(cfg) -> dict:
@@ -103,17 +110,20 @@ def schedule_state(cfg) -> dict:
 def resume_note(saved: dict | None, cfg, step: int) -> str | None:
     """What a resume from checkpoint `step` should hear when the next step's rate under this run's settings
     is not the saved run's (`saved`: its schedule_state; None, from a checkpoint written before it was kept:
-    nothing to compare). A changed train.steps is listed with the config's changes, but not that it moves
-    the rate: lr_at is recomputed over the new length, so a lengthened cosine run jumps up at the resume
-    (100 -> 200 steps at step 50: 2.15e-3 -> 2.82e-3), as does one resumed inside a WSD decay."""
+    nothing to compare; a key it lacks: BEFORE_KEYS's value, the schedule the code ran before the key existed).
+    A changed train.steps is listed with the config's changes, but not that it moves the rate: lr_at is
+    recomputed over the new length, so a lengthened cosine run jumps up at the resume (100 -> 200 steps at
+    step 50: 2.15e-3 -> 2.82e-3), as does one resumed inside a WSD decay."""
     if not saved or step >= cfg.train.steps:
         return None
-    before = SimpleNamespace(train=SimpleNamespace(**{**schedule_state(cfg), **saved}))
-    was, now = lr_at(step, before), lr_at(step, cfg)
+    filled = {key: value for key, value in BEFORE_KEYS.items() if key not in saved}
+    settings = {**schedule_state(cfg), **filled, **saved}
+    was, now = lr_at(step, SimpleNamespace(train=SimpleNamespace(**settings))), lr_at(step, cfg)
     if math.isclose(was, now, rel_tol=1e-9):
         return None
-    changed = ", ".join(f"train.{key} {saved[key]} -> {value}" for key, value in schedule_state(cfg).items()
-                        if key in saved and saved[key] != value)
+    changed = ", ".join(f"train.{key} {settings[key]}{' (not saved: the schedule before the key)' * (key in filled)}"
+                        f" -> {value}" for key, value in schedule_state(cfg).items()
+                        if key in settings and settings[key] != value)
     moved = f"{now / was - 1:+.0%}" if was else "from 0"  # (min_lr_ratio 0 ends a decay at 0)
     return (f"learning-rate schedule: step {step + 1} trains at {now:.3g}, where the checkpoint's settings give "
             f"{was:.3g} ({moved}; {changed}): the schedule is recomputed over this run's settings from step 1, "

@@ -1,7 +1,8 @@
 """Whether a step's update is applied, decided on the device: train.on_nonfinite and train.spike_factor.
 
 A step is bad when its global loss or gradient norm is not finite, or, with a spike factor, when
-its loss exceeds spike_factor x the median of the last spike_window good steps' losses (the check
+its loss exceeds spike_factor x the median of the last spike_window good steps' losses (at an even window the
+mean of the two middle ones, as the median is usually defined; the check
 starts once that window is full: the first steps' losses fall too fast to have a median). A bad
 step's loss never enters the window and pushes no good one out: after a streak of bad steps the check
 still compares with the last good ones (it once kept one slot per step, a bad step's empty, so
@@ -50,6 +51,14 @@ class StepGuard:
         if values:
             self._recent[self.window - len(values):] = torch.tensor(values, dtype=torch.float64)
 
+    def _median(self) -> torch.Tensor:
+        """The window's median, the usual one: at an even spike_window the mean of the two middle losses (not
+        torch.nanmedian's lower of them, which made the threshold lower than the documented median x factor and
+        called a step below it a spike). On the device, no host read; meaningful once the window is full (before,
+        NaNs sort last and the check is off anyway)."""
+        ordered = torch.sort(self._recent).values
+        return (ordered[(self.window - 1) // 2] + ordered[self.window // 2]) / 2
+
     def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(apply the update, is a spike): 0-d bool tensors, the same on every rank (the loss and
         the gradient norm are global)."""
@@ -58,7 +67,7 @@ class StepGuard:
             return finite, torch.zeros((), dtype=torch.bool, device=finite.device)
         loss = loss.detach().to(torch.float64)
         full = ~torch.isnan(self._recent[0])  # (on the device: which steps were good is not read on the host)
-        spike = finite & full & (loss > self.factor * torch.nanmedian(self._recent))
+        spike = finite & full & (loss > self.factor * self._median())
         good = finite & ~spike
         # a good step's loss joins the window, its oldest leaves; a bad step leaves it as it was
         self._recent = torch.where(good, torch.cat([self._recent[1:], loss.reshape(1)]), self._recent)

@@ -39,6 +39,7 @@ from .dedup import Deduper
 from .earlier_parts import stored_documents
 from .embed import embed
 from .fallback_parts import fallback_starts
+from .field_hint import missing_field_hint
 from .holdout import IN_BOTH, IN_EVAL, IN_TRAIN, split_items
 from .manifest import store_manifest
 from .options import BuildOptions
@@ -126,8 +127,11 @@ class Assembly:
         opts, corpus = self.opts, self.corpus
         if corpus.n == 0:
             self._say_damaged()
+            hint = missing_field_hint(opts.inputs, self.skipped, {"--text-field": opts.text_field,
+                                                                  "--response-field": opts.response_field})
             raise DataError(f"the inputs ({', '.join(opts.inputs)}) hold no usable document "
-                            f"({skipped_text(self.skipped)}). Point --input at text, .jsonl or .parquet data.")
+                            f"({skipped_text(self.skipped)}). "
+                            f"{hint or 'Point --input at text, .jsonl or .parquet data.'}")
         self.documents_read = min(corpus.n, opts.max_docs) if opts.max_docs else corpus.n
         # the limit reached, what lies past its last document is not this build's input: shards scan their files up
         # to --max-docs documents each, and in parallel, so they read past it

@@ -286,6 +286,25 @@ def _record_reader(text_field: str, response_field: str, conversations):
                                                                                                   skipped)
 
 
+def field_value(record: dict, field: str):
+    """A jsonl record's `field`: the key of that name, else (a dotted name, `meta.text`) the path through nested
+    objects, as Hugging Face nested JSON holds it; None where neither is there. The literal key wins: a record
+    with a key "meta.text" gives that, whatever its "meta" object holds."""
+    if field in record or "." not in field:
+        return record.get(field)
+    value = record
+    for part in field.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def jsonl_lines(f, compression: str | None, path: Path) -> Iterator[bytes]:
+    """The lines of an open jsonl unit `f` (compressed by `compression`), as `_iter_jsonl` reads them."""
+    return _lines(_chunks(f, compression, path))
+
+
 def _iter_jsonl(lines: Iterable[bytes], name: str, fields: list[tuple], accept, skipped: Counter) -> Iterator[Document]:
     for i, line in enumerate(lines, start=1):
         if not line.strip():
@@ -306,7 +325,7 @@ def _iter_jsonl(lines: Iterable[bytes], name: str, fields: list[tuple], accept, 
         if not isinstance(record, dict):
             skipped["bad_json_line"] += 1
             continue
-        doc = accept([record.get(f) for f, _, _ in fields], f"{name}:{i}", skipped)
+        doc = accept([field_value(record, f) for f, _, _ in fields], f"{name}:{i}", skipped)
         if doc is not None:
             yield doc
 

@@ -40,8 +40,11 @@ def _column_problem(kind: str, path: Path, fields: list[tuple], schema) -> DataE
     columns = schema.names
     for field, flag, holds in fields:
         if field not in columns:
+            nested = ("; a dotted name reads a nested field in .jsonl only: flatten the table's struct columns "
+                      "(pyarrow's Table.flatten() names them 'a.b') and write it again" if "." in field
+                      and field.split(".")[0] in columns else "")
             return DataError(f"{kind} file '{path}' has no column '{field}' (columns: {', '.join(columns)}); "
-                             f"pass {flag} with the column that holds the {holds}.")
+                             f"pass {flag} with the column that holds the {holds}{nested}.")
         if len(schema.get_all_field_indices(field)) > 1:  # (which one is the text: not ours to guess)
             return DataError(f"{kind} file '{path}' has {len(schema.get_all_field_indices(field))} columns named "
                              f"'{field}'; rename all but the one that holds the {holds}.")
