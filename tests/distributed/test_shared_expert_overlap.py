@@ -8,7 +8,7 @@ expert is overlapped with dispatch where the schedule allows"), on 4 gloo ranks,
   before it is waited for (job/split_transfer.py: StartAllToAllV / WaitAllToAllV), and its backward between
   the gradients' transfer out being issued and waited for; with pipelined chunks the shared expert runs after them;
 - what the overlap adds to the backward's peak (the routed gradients in flight beside the shared expert's) is
-  what memory/transients.py counts for it (shared_overlap_transient_bytes), within 10% (routing moves rows).
+  what memory/expert_transients.py counts for it (shared_overlap_transient_bytes), within 10% (routing moves rows).
 What the overlap saves on an emulated link: benchmarks/shared_expert_overlap.py (docs/benchmarks.md)."""
 
 import copy
@@ -98,8 +98,9 @@ def _peaks():
     from torch.distributed.tensor import DTensor
 
     from live_storage import LiveStorages
+    from longctx.memory.expert_transients import shared_overlap_transient_bytes
     from longctx.memory.policy import MemoryPolicy
-    from longctx.memory.transients import ffn_backward_bytes, shared_overlap_transient_bytes
+    from longctx.memory.transients import ffn_backward_bytes
     from longctx.parallel.expert.install import use_expert_parallel
 
     mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=("expert_data", "expert"))
@@ -144,7 +145,7 @@ def test_shared_experts_overlap_the_return_transfer_exactly():
 
 def test_the_overlap_backward_peak_is_counted():
     """Overlapped, the shared experts' backward holds the routed gradients in flight (2 x dim per routed row):
-    measured against memory/transients.py shared_overlap_transient_bytes on top of the feed-forward's count."""
+    measured against memory/expert_transients.py shared_overlap_transient_bytes on top of the feed-forward's count."""
     for rank in run_spawned_many(4, [("peaks", _peaks, ())])["peaks"]:
         # (the routed phase itself moves with the rows a rank receives: the skew term's, not this one's)
         assert rank["after"] <= 1.15 * rank["counted"], rank

@@ -59,10 +59,11 @@ import math
 from ..config import ModelConfig
 from ..memory.accounting import activation_dtype, estimate_activations
 from ..memory.core_transients import attention_offload_host_and_traffic
+from ..memory.expert_transients import shared_overlap_transient_bytes
 from ..memory.hier_transients import hier_transient_bytes
 from ..memory.host_parts import pinned_activation_bytes, pinned_attention_offload_bytes
 from ..memory.policy import MemoryPolicy
-from ..memory.transients import shared_overlap_transient_bytes, transient_bytes
+from ..memory.transients import transient_bytes
 from ..ops.pinned import pinned_bytes, pins, planned_pinned_bytes
 from .hardware import Hardware
 from .model_states import (

@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass
 from ..config import ModelConfig
 from ..models.flops import attention_matmul_params, dense_ffn_params, matmul_params_per_layer, moe_ffn_params
 from .block_parts import autocast_norm_bytes, block_part_bytes, compute_bytes
-from .moe_counts import experts_copied, moe_call_terms, moe_calls, moe_weight_copy_params
+from .moe_counts import expert_rows, experts_copied, moe_call_terms, moe_calls, moe_weight_copy_params
+from .peak_routing import at_top_k, chunk_fitting_top_ks
 from .policy import MemoryPolicy
 
 NO_POLICY = MemoryPolicy()  # nothing recomputed, offloaded or chunked
@@ -333,7 +334,41 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
     A MoE model's layers differ (layer_activations); the per-block figures are then its largest
     block's (a MoE one, unless dense layers keep more), the totals sum every block. autocast, expert_replicas,
     expert_ranks_per_node: see
-    layer_activations (one process in bf16 autocast over fp32 weights: activation_dtype)."""
+    layer_activations (one process in bf16 autocast over fp32 weights: activation_dtype).
+
+    A DTS-Gate model (moe.router dts) is counted at the most experts per token its schedule routes
+    (memory/peak_routing.py peak_top_k: every expert at step 0); where memory.expert_chunk makes a step of fewer
+    keep more (chunk_fitting_top_ks), each byte figure is the largest over those steps (recompute_flops: top_k's)."""
+    kw = dict(head=head, ctx=ctx, policy=policy, dtype_bytes=dtype_bytes, docs=docs, expert=expert,
+              expert_skew=expert_skew, autocast=autocast, expert_replicas=expert_replicas,
+              expert_ranks_per_node=expert_ranks_per_node)
+    est, *others = [_estimate_at(mk, seq_len, micro_batch, **kw)
+                    for mk in peak_models(model, micro_batch * seq_len // (head * ctx), policy, expert, expert_skew)]
+    peak = {f.name: max(getattr(e, f.name) for e in (est, *others))
+            for f in dataclasses.fields(est) if f.name not in ("recompute_flops", "tokens")}
+    return dataclasses.replace(est, **peak)
+
+
+def peak_models(model: ModelConfig, tokens: int, policy: MemoryPolicy, expert: int = 1,
+                expert_skew: float = 1.0) -> list[ModelConfig]:
+    """The model, and as a step routing fewer experts per token counts it (peak_routing.at_top_k), each k at which
+    a DTS-Gate run's calls of `tokens` rank tokens under `policy` stop running their experts in memory.expert_chunk
+    pieces (chunk_fitting_top_ks; under expert parallelism by the most loaded rank's received rows): the models
+    whose counts the peak is the largest of."""
+    sizes = sorted({n for off in (False, True) for n, _ in moe_calls(policy.recompute, off, tokens, policy)})
+
+    def rows_at(k: int) -> list[float]:
+        return [expert_rows(n, model, expert, expert_skew, k) if expert > 1 else n * k for n in sizes]
+
+    return [model, *(at_top_k(model, k) for k in chunk_fitting_top_ks(model, policy.expert_chunk, rows_at))]
+
+
+def _estimate_at(model: ModelConfig, seq_len: int, micro_batch: int = 1, *, head: int = 1, ctx: int = 1,
+                 policy: MemoryPolicy = NO_POLICY, dtype_bytes: int = 4,
+                 docs: bool = False, expert: int = 1, expert_skew: float = 1.0,
+                 autocast: bool = False, expert_replicas: int = 0,
+                 expert_ranks_per_node: int = 0) -> ActivationEstimate:
+    """estimate_activations at the model's peak_top_k."""
     moe_kw = dict(expert=expert, expert_skew=expert_skew, autocast=autocast, expert_replicas=expert_replicas,
                   expert_ranks_per_node=expert_ranks_per_node)
     layers = layer_activations(model, seq_len, micro_batch, head=head, ctx=ctx, policy=policy,

@@ -27,6 +27,7 @@ from __future__ import annotations
 from math import comb
 
 from ..config import ModelConfig
+from .peak_routing import peak_top_k
 
 
 def hierarchical(expert: int, ranks_per_node: int) -> bool:
@@ -66,7 +67,7 @@ def hier_pair_row_bytes(m: ModelConfig, c: int) -> float:
 
 def hier_sent_row_bytes(m: ModelConfig) -> float:
     """Bytes a stored call keeps per row it sends across nodes, its own node's included (the S term)."""
-    return 8 + m.moe_top_k
+    return 8 + peak_top_k(m)
 
 
 def flat_combine_slot_bytes(m: ModelConfig, c: int) -> float:
@@ -80,8 +81,9 @@ def expected_pairs_and_sent(m: ModelConfig, tokens: float, expert: int, ranks_pe
                             skew: float = 1.0) -> tuple[float, float]:
     """(P, S) of a call of `tokens` tokens under the planner's routing: the (row, choice) pairs a node-rank of the
     most loaded rank's node receives at `skew`, and the rows a rank sends across nodes, its own node's included."""
-    pairs = tokens * m.moe_top_k * node_share(expert, ranks_per_node, skew)
-    return pairs, tokens * nodes_reached(m.moe_experts, m.moe_top_k, expert // ranks_per_node)
+    k = peak_top_k(m)
+    pairs = tokens * k * node_share(expert, ranks_per_node, skew)
+    return pairs, tokens * nodes_reached(m.moe_experts, k, expert // ranks_per_node)
 
 
 def hier_call_bytes(m: ModelConfig, c: int, tokens: float, expert: int, ranks_per_node: int, skew: float = 1.0,
@@ -93,4 +95,4 @@ def hier_call_bytes(m: ModelConfig, c: int, tokens: float, expert: int, ranks_pe
     pairs = expected_pairs if pairs is None else pairs
     sent = expected_sent if sent is None else sent
     return (pairs * hier_pair_row_bytes(m, c) + sent * hier_sent_row_bytes(m)
-            - tokens * m.moe_top_k * flat_combine_slot_bytes(m, c))
+            - tokens * peak_top_k(m) * flat_combine_slot_bytes(m, c))

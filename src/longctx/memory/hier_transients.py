@@ -35,6 +35,7 @@ from __future__ import annotations
 from ..config import ModelConfig
 from .block_parts import compute_bytes
 from .hier_counts import expected_pairs_and_sent, hier_call_bytes, hierarchical, node_share
+from .peak_routing import peak_top_k
 from .policy import MemoryPolicy
 from .transients import ffn_backward_bytes, piece_tokens
 
@@ -44,7 +45,7 @@ def hier_stage_bytes(m: ModelConfig, tokens: float, expert: int, ranks_per_node:
     """{"forward_combine", "backward_combine", "backward_dispatch"}: the bytes each stage of one hierarchical call
     of `tokens` tokens holds beyond the call's saved tensors (the module docstring), on a node-rank of the most
     loaded rank's node at `skew`."""
-    d, k = m.dim, m.moe_top_k
+    d, k = m.dim, peak_top_k(m)
     pairs, sent = expected_pairs_and_sent(m, tokens, expert, ranks_per_node, skew)
     received = sent * node_share(expert, ranks_per_node, skew)
     return {

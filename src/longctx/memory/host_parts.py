@@ -35,7 +35,7 @@ from collections import Counter
 from ..config import ModelConfig
 from ..ops.chunked import chunk_slices
 from ..ops.pinned import pinned_bytes
-from .accounting import layer_activations
+from .accounting import layer_activations, peak_models
 from .block_parts import ATTENTION_NORM_FEEDS, MLP_NORM_FEEDS, compute_bytes
 from .policy import MemoryPolicy
 
@@ -142,7 +142,18 @@ def pinned_activation_bytes(m: ModelConfig, seq_len: int, micro_batch: int = 1, 
     a power of two. A MoE block's feed-forward (not listed, FlexMoE's copy slots included) at twice its bytes: the
     bound of the rounding.
     `autocast`: bf16 autocast over fp32 weights (dtype_bytes 4), each part at its own dtype (as estimate_activations
-    counts them)."""
+    counts them). A DTS-Gate model: the largest over accounting.peak_models, as estimate_activations."""
+    kw = dict(head=head, ctx=ctx, policy=policy, dtype_bytes=dtype_bytes, docs=docs, expert=expert,
+              expert_skew=expert_skew, autocast=autocast, expert_replicas=expert_replicas,
+              expert_ranks_per_node=expert_ranks_per_node)
+    models = peak_models(m, micro_batch * seq_len // (head * ctx), policy, expert, expert_skew)
+    return max(_pinned_at(mk, seq_len, micro_batch, **kw) for mk in models)
+
+
+def _pinned_at(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int, policy: MemoryPolicy,
+               dtype_bytes: int, docs: bool, expert: int, expert_skew: float, autocast: bool, expert_replicas: int,
+               expert_ranks_per_node: int) -> float:
+    """pinned_activation_bytes at the model's peak_top_k."""
     p, rc = dtype_bytes, policy.recompute
     kw = {"head": head, "ctx": ctx, "policy": policy}
     model = repr(m)  # (every field: whatever the parts read of it)

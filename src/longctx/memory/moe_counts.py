@@ -3,7 +3,8 @@
 what each call keeps whatever its tokens (`moe_call_bytes`), the calls a memory policy makes
 (`moe_calls`) and how many forwards they run (`moe_forward_runs`), and under expert parallelism
 the rows the most loaded rank receives (`expert_rows`, bounded by `max_expert_skew`) and what each
-received row keeps (`expert_parallel_row_bytes`).
+received row keeps (`expert_parallel_row_bytes`). Experts per token (k below) are memory/peak_routing.py
+`peak_top_k`'s: top_k, or E for a DTS-Gate run, whose step 0 routes every expert.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from ..config import ModelConfig
 from ..ops.grouped import cpu_kernel_available
 from .hier_counts import hier_call_bytes, hierarchical
+from .peak_routing import peak_top_k
 from .policy import MemoryPolicy
 
 
@@ -46,7 +48,7 @@ def moe_ffn_bytes(m: ModelConfig, p: int, c: int | None = None) -> float:
     which expert a slot's rows go to). With a capacity (moe.capacity_factor > 0) the kept choices
     (bool [k]) are added and the T k slots are an upper bound of the rows the experts see."""
     c = p if c is None else c
-    d, k, E = m.dim, m.moe_top_k, m.moe_experts
+    d, k, E = m.dim, peak_top_k(m), m.moe_experts
     H, S = m.resolved_expert_dim, m.resolved_shared_dim
     router = 4 * E + (4 * E + 4 if m.moe_z_loss > 0 else 0) + (4 if m.moe_router == "sigmoid" else 0)
     if p != 4:
@@ -172,12 +174,13 @@ def moe_calls(recompute: str, offloaded: bool, tokens: int, policy: MemoryPolicy
     return [(n, True) for n in _piece_sizes(stored, chunk)] + [(n, False) for n in _piece_sizes(tokens - stored, chunk)]
 
 
-def expert_rows(tokens: float, m: ModelConfig, expert: int, skew: float = 1.0) -> float:
+def expert_rows(tokens: float, m: ModelConfig, expert: int, skew: float = 1.0, k: int | None = None) -> float:
     """Routed rows the most loaded rank of an expert group receives under expert parallelism: `skew`
     times its uniform share (its tokens' tokens x top_k rows: what every rank gets when routing is
     even), at most what routing allows: every token of the group's `expert` ranks sending it
-    min(top_k, experts / expert) rows (one per expert it holds)."""
-    k = m.moe_top_k
+    min(top_k, experts / expert) rows (one per expert it holds). `k`: experts per token (None: peak_top_k, the
+    memory counts' bound; the FLOP counts pass top_k)."""
+    k = peak_top_k(m) if k is None else k
     worst = tokens * expert * min(k, m.moe_experts // expert)
     return min(max(skew, 1.0) * tokens * k, worst)
 
@@ -207,7 +210,7 @@ def experts_copied(m: ModelConfig, calls: list[tuple[int, bool]], expert_chunk: 
     some stored call runs its experts whole (its rows, or under expert parallelism the rows the rank receives,
     no more than memory.expert_chunk)."""
     def rows(n: int) -> float:
-        return expert_rows(n, m, expert, skew) if expert > 1 else n * m.moe_top_k
+        return expert_rows(n, m, expert, skew) if expert > 1 else n * peak_top_k(m)
     return any(stored and not (expert_chunk and rows(n) > expert_chunk) for n, stored in calls)
 
 
@@ -248,7 +251,7 @@ def moe_call_terms(m: ModelConfig, p: int, calls: list[tuple[int, bool]], expert
     `replicas` (parallel.expert_replicas, under expert parallelism): each stored call's `copy_slot_bytes` too, and
     its grouped GEMMs' offsets and pieces' counts over the rank's slots (`gemm_groups`). `ranks_per_node`
     (parallel.expert_ranks_per_node): hierarchical dispatch's own saved tensors too (memory/hier_counts.py)."""
-    k, groups = m.moe_top_k, gemm_groups(m, expert, replicas)
+    k, groups = peak_top_k(m), gemm_groups(m, expert, replicas)
     hier = hierarchical(expert, ranks_per_node)
     c = p if c is None else c
     device = host = flops = 0.0
@@ -264,9 +267,7 @@ def moe_call_terms(m: ModelConfig, p: int, calls: list[tuple[int, bool]], expert
             saved += hier_call_bytes(m, c, n, expert, ranks_per_node, skew) if hier else 0.0
         device += records + (0.0 if offloaded else saved)
         host += saved if offloaded else 0.0
-        if chunked:  # each piece's w1 and w3 again: torch._grouped_mm saves w2's inputs before it runs, where
-            # the piece's recomputation stops (checkpoint's early stop; ops/grouped.py's loop saves after: w2 too)
-            flops += received * 4 * m.dim * m.resolved_expert_dim
+        flops += piece_recompute_flops(m, n, expert_chunk, expert, skew)
         if chunked and stored:
             # each piece's counts; no intermediates; the rows as the pieces' input, not as the GEMMs' casts
             kept = (-(-int(received) // expert_chunk) * 8 * groups - rows * 4 * c * m.resolved_expert_dim
@@ -287,6 +288,17 @@ def moe_call_terms(m: ModelConfig, p: int, calls: list[tuple[int, bool]], expert
     return device + piece_routing_bytes(m, calls), host, flops
 
 
+def piece_recompute_flops(m: ModelConfig, tokens: int, expert_chunk: int, expert: int = 1, skew: float = 1.0) -> float:
+    """FLOPs a call of `tokens` tokens whose experts run in checkpointed pieces (memory.expert_chunk, more routed
+    rows than that) runs again in backward: each piece's w1 and w3 (torch._grouped_mm saves w2's inputs before it
+    runs, where the piece's recomputation stops: checkpoint's early stop; ops/grouped.py's loop saves after: w2
+    too). A time count: at top_k, the run's steady state, not peak_top_k (a DTS-Gate run's first steps route more)."""
+    received = expert_rows(tokens, m, expert, skew, m.moe_top_k) if expert > 1 else tokens * m.moe_top_k
+    if not expert_chunk or received <= expert_chunk:
+        return 0.0
+    return received * 4 * m.dim * m.resolved_expert_dim
+
+
 def piece_routing_bytes(m: ModelConfig, calls: list[tuple[int, bool]]) -> float:
     """Device bytes a MoE block keeps from forward to its backward for routing a call run in pieces
     (memory/apply_policy.py _PieceRouting): where the routing looks across tokens (a capacity, the Sinkhorn
@@ -296,6 +308,6 @@ def piece_routing_bytes(m: ModelConfig, calls: list[tuple[int, bool]]) -> float:
     masked, counted as a bound). Not a saved tensor, so never offloaded. None for a call of one piece."""
     if len(calls) < 2 or not (m.moe_capacity_factor > 0 or m.moe_router == "sinkhorn"):
         return 0.0
-    k = m.moe_top_k
+    k = peak_top_k(m)
     chosen = 2 if m.moe_experts <= 32767 else 4
     return float(sum(n for n, _ in calls) * k * (chosen + 1))

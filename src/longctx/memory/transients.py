@@ -30,7 +30,7 @@ from .core_transients import (
     core_working_set_bytes,
     per_chunk_store,
 )
-from .moe_counts import expert_rows
+from .peak_routing import at_top_k, chunk_fitting_top_ks, peak_top_k
 from .policy import MemoryPolicy
 from .pre_transients import pre_phase_bytes
 from .weight_grads import autocast_weight_bytes, weight_grad_sum_bytes
@@ -51,7 +51,7 @@ def ffn_grad_bytes(m: ModelConfig, e: int, moe: bool = False) -> float:
     widest, an upper bound.)"""
     if not (moe and m.is_moe):
         return 2 * e * m.ffn_dim
-    k, H, d, S = m.moe_top_k, m.resolved_expert_dim, m.dim, m.resolved_shared_dim
+    k, H, d, S = peak_top_k(m), m.resolved_expert_dim, m.dim, m.resolved_shared_dim
     routed = e * k * max(3 * H, 2 * H + d, 3 * d) + 4 * k + (e * d if S else 0)
     shared = 3 * e * S + (e * d if S and m.moe_shared_gate else 0)
     return max(routed, shared)
@@ -65,9 +65,9 @@ def ffn_backward_bytes(m: ModelConfig, tokens: int, e: int, moe: bool = False, e
     gradient, the piece's input gradient made full size (a slice's backward) and their running sum
     (three of dim), and each piece's gradients of the three expert weights [E, hidden, dim] with
     their running sums (five such tensors: an upper bound of what the CPU loop measures)."""
-    if not (moe and m.is_moe and expert_chunk and tokens * m.moe_top_k > expert_chunk):
+    if not (moe and m.is_moe and expert_chunk and tokens * peak_top_k(m) > expert_chunk):
         return tokens * ffn_grad_bytes(m, e, moe)
-    k, H, d, E = m.moe_top_k, m.resolved_expert_dim, m.dim, m.moe_experts
+    k, H, d, E = peak_top_k(m), m.resolved_expert_dim, m.dim, m.moe_experts
     rows = tokens * k
     routed = rows * (3 * e * d + 4) + expert_chunk * e * (4 * H + max(3 * H, 2 * H + d)) + 5 * e * E * H * d
     shared = tokens * (3 * e * m.resolved_shared_dim + (e * m.dim if m.moe_shared_gate else 0))
@@ -102,8 +102,8 @@ def recomputed_piece_bytes(m: ModelConfig, tokens: int, policy: MemoryPolicy, pa
 
     def piece(n: float, recomputed: bool) -> float:
         post = part["mlp_norm"] + part["residual"] + part["mlp"] if recomputed else 0.0
-        if recomputed and moe and m.is_moe and ec and n * m.moe_top_k > ec:
-            post -= 4 * e * m.moe_top_k * m.resolved_expert_dim  # the experts' intermediates: one piece's (above)
+        if recomputed and moe and m.is_moe and ec and n * peak_top_k(m) > ec:
+            post -= 4 * e * peak_top_k(m) * m.resolved_expert_dim  # the experts' intermediates: one piece's (above)
         return n * post + ffn_backward_bytes(m, int(n), e, moe, ec)
 
     stored, recomputed = piece_tokens(tokens, policy)
@@ -276,7 +276,22 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int
     matmuls' and the attention kernel's outputs (q, k, v, the attention output, the MLP's intermediates, a
     chunk of logits), their gradients and the kernel's gradients and GQA repeats at 2 B (compute_bytes).
     Without it, fp32 (4) and FSDP's bf16 (2) runs count every tensor at dtype_bytes as before.
-    (tests/unit/test_autocast_transients.py measures the step's peak on CPU.)"""
+    (tests/unit/test_autocast_transients.py measures the step's peak on CPU.)
+
+    A DTS-Gate model is counted at memory/peak_routing.py peak_top_k, and where memory.expert_chunk makes a step
+    of fewer experts per token hold more (chunk_fitting_top_ks: its calls' experts run whole), the largest."""
+    t = micro_batch * seq_len // (head * ctx)
+    sizes = sorted({t, *(n for n in piece_tokens(t, policy) if n)})
+    ks = chunk_fitting_top_ks(m, policy.expert_chunk, lambda k: [n * k for n in sizes])
+    return max(_transient_at(mk, seq_len, micro_batch, head=head, ctx=ctx, window=window, policy=policy,
+                             dtype_bytes=dtype_bytes, docs=docs, acts=acts, autocast=autocast, head_grad=head_grad)
+               for mk in (m, *(at_top_k(m, k) for k in ks)))
+
+
+def _transient_at(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int, window: int,
+                  policy: MemoryPolicy, dtype_bytes: int, docs: bool, acts: ActivationEstimate | None,
+                  autocast: bool, head_grad: float) -> float:
+    """transient_bytes at the model's peak_top_k."""
     e = dtype_bytes
     t = micro_batch * seq_len // (head * ctx)
     block = block_after_loss_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, window=window, policy=policy,
@@ -407,39 +422,3 @@ def kept_blocks_freed_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, h
                                docs=docs, autocast=autocast)
     out = lambda la: t * block_part_bytes(m, head, e, docs, moe=la.moe, autocast=autocast)["block_out"]
     return sum(max(la.device - out(la), 0.0) for la in layers if not la.offloaded and not la.moe)
-
-
-def expert_skew_transient_bytes(m: ModelConfig, tokens: int, expert: int, skew: float, policy: MemoryPolicy,
-                                e: int) -> float:
-    """What the most loaded rank of an expert group holds beyond an even share while one MoE layer
-    runs (on top of its saved count, memory.moe_counts.moe_call_terms): the extra received rows in
-    the all-to-all's output, its expert-major copy, the experts' output and its source-major copy
-    (4 x dim), and in backward their gradients (3 of dim, an fp32 count) and, unless memory.
-    expert_chunk bounds them to a piece, the experts' recomputed or kept intermediates' gradients
-    (4 x expert_dim)."""
-    if expert == 1 or not m.is_moe or skew <= 1.0:
-        return 0.0
-    extra = expert_rows(tokens, m, expert, skew) - tokens * m.moe_top_k
-    per_row = 4 * e * m.dim + 3 * e * m.dim + 4 + (0 if policy.expert_chunk else 4 * e * m.resolved_expert_dim)
-    return max(extra, 0.0) * per_row
-
-
-def shared_overlap_transient_bytes(m: ModelConfig, tokens: int, expert: int, policy: MemoryPolicy, e: int,
-                                   autocast: bool = False) -> float:
-    """What overlapping a MoE layer's shared experts with the expert-parallel return transfer adds to its
-    backward's peak (parallel/expert/dispatch.py run_experts_beside): their backward runs while the routed
-    results' gradients travel out, so the gradient rows sent and the buffer they arrive in (two of dim per
-    row, top_k rows per token) are alive beside the shared experts' own gradients. Beyond the feed-forward's
-    count (ffn_backward_bytes: the larger of the routed and the shared phases), for the tokens one backward
-    of the feed-forward runs on (a block chunk's, or all of them); counted whatever the pipelined chunks
-    (with them the layer does not overlap: an upper bound); under `autocast` these are the matmuls' bf16
-    outputs and gradients (compute_bytes). Measured on 4 gloo ranks: +0.53 MB for 512 tokens of k 2, dim 64
-    in fp32, this count 0.52 MB (docs/benchmarks.md)."""
-    if expert == 1 or not m.is_moe or not m.resolved_shared_dim:
-        return 0.0
-    e = compute_bytes(e, autocast)
-    piece = min(policy.block_chunk, tokens) if policy.block_chunk and policy.recompute != "none" else tokens
-    counted = ffn_backward_bytes(m, piece, e, True, policy.expert_chunk)
-    gate = e * m.dim if m.moe_shared_gate else 0
-    overlapped = piece * (3 * e * m.resolved_shared_dim + gate + 2 * e * m.moe_top_k * m.dim)
-    return max(overlapped - counted, 0.0)

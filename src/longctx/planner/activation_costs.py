@@ -14,9 +14,10 @@ from ..costs.shape import MeshShape
 from ..costs.timing import Flops, compute_seconds, micro_batch_flops
 from ..memory.accounting import ActivationEstimate, activation_dtype, estimate_activations
 from ..memory.core_transients import attention_offload_host_and_traffic
+from ..memory.expert_transients import expert_skew_transient_bytes, shared_overlap_transient_bytes
 from ..memory.hier_transients import hier_transient_bytes
 from ..memory.policy import MemoryPolicy
-from ..memory.transients import expert_skew_transient_bytes, shared_overlap_transient_bytes, transient_bytes
+from ..memory.transients import transient_bytes
 
 
 def rank_activations(m: ModelConfig, seq_len: int, micro_batch: int, shape: MeshShape, policy: MemoryPolicy,

@@ -47,6 +47,7 @@ from ..job.devices import machine_record
 from ..job.spawn import run_spawned
 from ..memory.block_parts import compute_bytes
 from ..memory.hier_counts import hierarchical
+from ..memory.peak_routing import peak_top_k
 from ..memory.policy import MemoryPolicy
 from ..progress import phase
 from .cost import estimate
@@ -229,7 +230,7 @@ def _hier_rows(case: Case, cfg, per_rank: list[dict], hw) -> dict:
     against the planner's forms at its rows."""
     shape, m = case.mesh_shape, cfg.model
     group = per_rank[:shape.expert]
-    figs = measured_rows([r["expert_counts"] for r in group], shape.expert_ranks_per_node, m.moe_top_k)
+    figs = measured_rows([r["expert_counts"] for r in group], shape.expert_ranks_per_node, peak_top_k(m))
     hottest = max(range(len(figs)), key=lambda q: figs[q]["receive_skew"])
     skew = figs[hottest]["receive_skew"]
     est = _predict(case, hw, cfg, expert_skew=skew)[0]

@@ -1,0 +1,46 @@
+"""Experts per token that the memory counts bound a run at (`peak_top_k`): the routers route top_k every step but
+DTS-Gate, whose schedule starts dense. One place, read by every count of saved tensors, transients, host parts and
+dispatch buffers (memory/moe_counts.py, hier_counts.py, transients.py, hier_transients.py), so that a router with a
+schedule is counted at its widest step; the FLOP, time and communication-volume counts read moe.top_k itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from ..config import ModelConfig
+from ..models.moe import scheduled_experts
+
+
+def peak_top_k(m: ModelConfig) -> int:
+    """Experts per token the counts that bound peak memory take (activations, transients, host parts, the planner's
+    memory columns): the most any step of the run routes. top_k, except for the DTS-Gate router (moe.router dts),
+    which routes every expert at step 0 and anneals to top_k over moe.dts_steps (models/moe.py scheduled_experts):
+    E, what step 0 routes (top_k at dts_steps 0). A memory count has no step, so a run resumed past its schedule,
+    which routes top_k, is counted at E as well: conservative (an upper bound), as the plan made before the run
+    must hold for its first steps and a resume's step is not known where the planner, memory.auto and
+    `longctx check` count. FLOP, time and communication-volume counts stay at top_k (the run's steady state)."""
+    if m.moe_router == "dts":
+        return scheduled_experts(m.moe_experts, m.moe_top_k, 0, m.moe_dts_steps)
+    return m.moe_top_k
+
+
+def at_top_k(m: ModelConfig, k: int) -> ModelConfig:
+    """The model as a step that routes `k` experts per token counts it (peak_top_k of it is k)."""
+    return dataclasses.replace(m, moe_top_k=k, moe_dts_steps=0)
+
+
+def chunk_fitting_top_ks(m: ModelConfig, expert_chunk: int, rows_at: Callable[[int], list[float]]) -> list[int]:
+    """The experts per token below peak_top_k at which a count can be larger than at the peak: memory.expert_chunk
+    runs a call's experts in checkpointed pieces past expert_chunk routed rows, which keep no intermediates, so a
+    DTS-Gate step routing fewer experts, whose call then runs them whole, can keep more than step 0 (E 4, top_k 1,
+    expert_dim 80, expert_chunk 64, 48 tokens: 194,212 B at top_k against 164,308 B at step 0). For each call (
+    `rows_at(k)`: every call's routed rows at k experts per token) the largest k whose rows fit the chunk, where
+    they do not at the peak; every k from top_k up is taken as routed (a schedule of fewer steps than E - top_k
+    skips some: an upper bound). Empty without a schedule or a chunk."""
+    peak = peak_top_k(m)
+    if not expert_chunk or peak == m.moe_top_k:
+        return []
+    return [k for k in range(m.moe_top_k, peak)
+            if any(a <= expert_chunk < b for a, b in zip(rows_at(k), rows_at(k + 1)))]
