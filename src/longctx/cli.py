@@ -120,13 +120,19 @@ def _saved_manifest(cfg) -> tuple[object, dict] | tuple[None, None]:
     import json
     from pathlib import Path
 
-    from .config.checkpoint_paths import MANIFEST
+    from .config.checkpoint_paths import MANIFEST, moved_aside
     from .train.setup import resume_target
 
     try:
         target = resume_target(cfg, Path(cfg.train.run_dir))
         return (target, json.loads((target / MANIFEST).read_text())) if target else (None, None)
-    except (OSError, ValueError, UserError):
+    except UserError:  # (a step a killed re-save moved aside: the run puts it back first, moved_aside.py, so its
+        old = moved_aside(cfg.checkpoint.resume)  # manifest is the one --print-config and the ranks go by)
+    except (OSError, ValueError):
+        return None, None
+    try:
+        return (Path(cfg.checkpoint.resume), json.loads((old / MANIFEST).read_text())) if old else (None, None)
+    except (OSError, ValueError):
         return None, None
 
 

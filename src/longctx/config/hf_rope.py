@@ -85,7 +85,13 @@ def rope_fields(hf: dict, where: str) -> dict[str, Any]:
         return p[key]
 
     if kind == "linear":
-        out["rope_factor"] = float(need("factor"))
+        factor = need("factor")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            # (transformers multiplies positions by 1 / factor; the reach of such weights, max_position_embeddings
+            # x factor, is no length: a changed scaling's unscaled length never ended its search)
+            raise HFFormatError(f"{where}: linear rope factor={json.dumps(factor)}; it must be a positive number "
+                                f"(the extended context over max_position_embeddings, e.g. 4.0).")
+        out["rope_factor"] = float(factor)
     elif kind == "llama3":
         out.update(rope_factor=float(need("factor")), rope_low_freq_factor=float(need("low_freq_factor")),
                    rope_high_freq_factor=float(need("high_freq_factor")), rope_original_max_len=original)
