@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..config import ModelConfig
 from .block_parts import compute_bytes
 from .moe_counts import expert_rows
-from .peak_routing import peak_top_k
+from .peak_routing import over_schedule, peak_top_k
 from .policy import MemoryPolicy
 from .transients import ffn_backward_bytes
 
@@ -21,10 +21,11 @@ def expert_skew_transient_bytes(m: ModelConfig, tokens: int, expert: int, skew: 
     the all-to-all's output, its expert-major copy, the experts' output and its source-major copy
     (4 x dim), and in backward their gradients (3 of dim, an fp32 count) and, unless memory.
     expert_chunk bounds them to a piece, the experts' recomputed or kept intermediates' gradients
-    (4 x expert_dim)."""
+    (4 x expert_dim). A DTS-Gate model: the largest over every k its schedule routes (top_k to peak_top_k: at E
+    every rank receives all its tokens' rows, no skew; a later step can skew)."""
     if expert == 1 or not m.is_moe or skew <= 1.0:
         return 0.0
-    extra = expert_rows(tokens, m, expert, skew) - tokens * peak_top_k(m)
+    extra = max(expert_rows(tokens, m, expert, skew, k) - tokens * k for k in range(m.moe_top_k, peak_top_k(m) + 1))
     per_row = 4 * e * m.dim + 3 * e * m.dim + 4 + (0 if policy.expert_chunk else 4 * e * m.resolved_expert_dim)
     return max(extra, 0.0) * per_row
 
@@ -39,9 +40,15 @@ def shared_overlap_transient_bytes(m: ModelConfig, tokens: int, expert: int, pol
     of the feed-forward runs on (a block chunk's, or all of them); counted whatever the pipelined chunks
     (with them the layer does not overlap: an upper bound); under `autocast` these are the matmuls' bf16
     outputs and gradients (compute_bytes). Measured on 4 gloo ranks: +0.53 MB for 512 tokens of k 2, dim 64
-    in fp32, this count 0.52 MB (docs/benchmarks.md)."""
+    in fp32, this count 0.52 MB (docs/benchmarks.md). A DTS-Gate model: the largest over its schedule
+    (peak_routing.over_schedule)."""
     if expert == 1 or not m.is_moe or not m.resolved_shared_dim:
         return 0.0
+    return over_schedule(lambda mk: _overlap_at(mk, tokens, policy, e, autocast), m)
+
+
+def _overlap_at(m: ModelConfig, tokens: int, policy: MemoryPolicy, e: int, autocast: bool) -> float:
+    """shared_overlap_transient_bytes at the model's peak_top_k."""
     e = compute_bytes(e, autocast)
     piece = min(policy.block_chunk, tokens) if policy.block_chunk and policy.recompute != "none" else tokens
     counted = ffn_backward_bytes(m, piece, e, True, policy.expert_chunk)

@@ -35,7 +35,7 @@ from __future__ import annotations
 from ..config import ModelConfig
 from .block_parts import compute_bytes
 from .hier_counts import expected_pairs_and_sent, hier_call_bytes, hierarchical, node_share
-from .peak_routing import peak_top_k
+from .peak_routing import over_schedule, peak_top_k
 from .policy import MemoryPolicy
 from .transients import ffn_backward_bytes, piece_tokens
 
@@ -63,9 +63,16 @@ def hier_transient_bytes(m: ModelConfig, tokens: int, expert: int, ranks_per_nod
     ffn_backward_bytes for the tokens one backward of the feed-forward runs on, a stored piece's (the forward
     combine ran in the forward) and a recomputed piece's (memory/transients.py piece_tokens: its forward combine runs
     in the backward, beside its saved tensors beyond the flat exchange's, hier_counts.hier_call_bytes, in the
-    compute dtype as moe_counts counts them), the larger of the two; never below 0."""
+    compute dtype as moe_counts counts them), the larger of the two; never below 0. A DTS-Gate model: the largest
+    over its schedule (peak_routing.over_schedule)."""
     if not (m.is_moe and hierarchical(expert, ranks_per_node)):
         return 0.0
+    return over_schedule(lambda mk: _hier_at(mk, tokens, expert, ranks_per_node, policy, e, skew, autocast), m)
+
+
+def _hier_at(m: ModelConfig, tokens: int, expert: int, ranks_per_node: int, policy: MemoryPolicy, e: int,
+             skew: float, autocast: bool) -> float:
+    """hier_transient_bytes at the model's peak_top_k."""
     c = compute_bytes(e, autocast and e == 4)  # (moe_counts' dtype of the saved results, as layer_activations')
     recompute = policy.recompute != "none"
     stored, recomputed = piece_tokens(tokens, policy) if recompute else (tokens, 0.0)

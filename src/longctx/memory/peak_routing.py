@@ -44,3 +44,17 @@ def chunk_fitting_top_ks(m: ModelConfig, expert_chunk: int, rows_at: Callable[[i
         return []
     return [k for k in range(m.moe_top_k, peak)
             if any(a <= expert_chunk < b for a, b in zip(rows_at(k), rows_at(k + 1)))]
+
+
+def over_schedule(count: Callable[[ModelConfig], float], m: ModelConfig) -> float:
+    """The largest of `count` over every experts-per-token count a run routes (top_k to peak_top_k), for the
+    transients beside the saved activations whose bytes are not the largest at the peak: the shared experts'
+    overlap (within the feed-forward's backward at E, beyond it at top_k) and hierarchical dispatch's stages (as
+    expert_transients.expert_skew_transient_bytes takes the skewed rank's extra rows). Counted at the peak alone, a
+    DTS-Gate rank's total was 0.59x at worst of what a later step holds (tests/unit/test_review117d.py). Added to
+    the activations' peak: an upper bound (each term's largest, not always at one step; 1.16x there). `count(m)`
+    alone without a schedule."""
+    peak = peak_top_k(m)
+    if peak == m.moe_top_k:
+        return count(m)
+    return max(count(at_top_k(m, k)) for k in range(m.moe_top_k, peak + 1))
