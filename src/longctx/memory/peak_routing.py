@@ -19,8 +19,9 @@ def peak_top_k(m: ModelConfig) -> int:
     which routes every expert at step 0 and anneals to top_k over moe.dts_steps (models/moe.py scheduled_experts):
     E, what step 0 routes (top_k at dts_steps 0). A memory count has no step, so a run resumed past its schedule,
     which routes top_k, is counted at E as well: conservative (an upper bound), as the plan made before the run
-    must hold for its first steps and a resume's step is not known where the planner, memory.auto and
-    `longctx check` count. FLOP, time and communication-volume counts stay at top_k (the run's steady state)."""
+    must hold for its first steps and a resume's step is not known where the planner, memory/auto.py and
+    the run's host budget (train/host_budget.py) count. FLOP, time and communication-volume counts stay at
+    top_k (the run's steady state)."""
     if m.moe_router == "dts":
         return scheduled_experts(m.moe_experts, m.moe_top_k, 0, m.moe_dts_steps)
     return m.moe_top_k
