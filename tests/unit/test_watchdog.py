@@ -14,8 +14,13 @@ from longctx.job.watchdog import Watchdog, hang_report
 
 # a function whose frame looks like one of torch.distributed's (a rank waiting in a collective)
 _FAKE = {}
-exec(compile("def all_reduce(seconds, sleep):\n    sleep(seconds)\n", "/x/torch/distributed/distributed_c10d.py",
-             "exec"), _FAKE)
+exec(compile("def all_reduce(seconds, sleep, done=None):\n"
+             "    if done is None:\n"
+             "        return sleep(seconds)\n"
+             "    for _ in range(int(seconds / 0.05)):\n"
+             "        if done():\n"
+             "            return\n"
+             "        sleep(0.05)\n", "/x/torch/distributed/distributed_c10d.py", "exec"), _FAKE)
 
 
 def _stuck_here(seconds):
@@ -34,7 +39,9 @@ def _run(tmp_path, rank, body, timeout=0.5):
 def test_it_fires_after_a_wait_in_a_collective_with_where_the_rank_was(tmp_path):
     def body():
         watchdog.phase(7, "backward")
-        _FAKE["all_reduce"](2.0, time.sleep)
+        # in the collective until the watchdog wrote its stack and record (at most 30 s): a fixed 2 s could end
+        # first on a loaded machine, and the stack was then dumped after the rank had left all_reduce
+        _FAKE["all_reduce"](30.0, time.sleep, (tmp_path / "hang3.json").exists)
 
     assert _run(tmp_path, 3, body).fired.is_set()
     record = json.loads((tmp_path / "hang3.json").read_text())
