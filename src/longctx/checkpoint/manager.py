@@ -86,7 +86,7 @@ from .manifest import (
     write_hashes_part,
     write_manifest,
 )
-from .retention import _TRASH, prune, sweep_leftovers
+from .retention import moved_aside_name, prune, sweep_leftovers
 from .rng_states import _rng_state, local_state_file, restore_rng, rng_file
 
 TRAINER_STATE = "trainer_state.json"
@@ -271,7 +271,7 @@ class CheckpointManager:
         # names a checkpoint whose files did not reach the disk
         trash = None
         if final.exists():  # a re-run of the same step: replace it only now that the new one is complete
-            trash = self.root / f"{_TRASH}{final.name}-{uuid.uuid4().hex[:8]}"
+            trash = moved_aside_name(final)
             os.replace(final, trash)
         try:
             publish(tmp, final)

@@ -9,15 +9,14 @@ import shutil
 import uuid
 from pathlib import Path
 
-from ..config.checkpoint_paths import MANIFEST, MOVED_ASIDE, trajectory
+from ..config.checkpoint_paths import MANIFEST, MOVED_ASIDE, moved_from, trajectory
 
-_TRASH = MOVED_ASIDE  # a step directory a re-save of its step moved aside (restored if the commit died)
 _PRUNED = ".tmp-pruned-"  # a step directory keep-last is deleting (swept with the other .tmp-* at the next start)
 
 
 def sweep_leftovers(root: Path) -> None:
     """At a start (rank 0): what a killed save, commit or prune left in `root`."""
-    for old in sorted(root.glob(f"{_TRASH}step-*")):  # a commit killed after moving a complete step aside
+    for old in sorted(root.glob(f"{MOVED_ASIDE}step-*")):  # a commit killed after moving a complete step aside
         put_back(old)  # (and before publishing its new one)
     for stale in root.glob(".tmp-*"):  # leftovers of saves that never completed
         shutil.rmtree(stale, ignore_errors=True)
@@ -26,11 +25,16 @@ def sweep_leftovers(root: Path) -> None:
             stale.unlink(missing_ok=True)
 
 
+def moved_aside_name(final: Path) -> Path:
+    """Where a re-save of `final`'s step moves the old one until the new one is published (put_back, moved_from)."""
+    return final.parent / f"{MOVED_ASIDE}{final.name}-{uuid.uuid4().hex[:8]}"
+
+
 def put_back(old: Path) -> Path | None:
     """A complete step directory a re-save moved aside (`old`: .tmp-old-step-N-<hex>) back under its name, when that
     is free: the step directory (None: left as it is). The caller holds the directory's run lock (train/run_lock.py:
     a live run's re-save may be committing); sweep_leftovers, and an explicit resume of it (train/moved_aside.py)."""
-    final = old.parent / old.name[len(_TRASH):].rsplit("-", 1)[0]
+    final = moved_from(old)
     if not (old.is_dir() and (old / MANIFEST).is_file()) or final.exists():
         return None
     os.replace(old, final)

@@ -125,9 +125,22 @@ def moved_aside(path) -> Path | None:
     if not path.name.startswith("step-") or path.exists() or not path.parent.is_dir():
         return None
     for old in sorted(path.parent.glob(f"{MOVED_ASIDE}{path.name}-*")):  # (sorted: the one the sweep puts back)
-        if old.name[len(MOVED_ASIDE):].rsplit("-", 1)[0] == path.name and (old / MANIFEST).is_file():
+        if moved_from(old) == path and (old / MANIFEST).is_file():
             return old
     return None
+
+
+def moved_from(old: Path) -> Path:
+    """The step directory a re-save moved aside as `old` (MOVED_ASIDE + its name + -<hex>)."""
+    return old.parent / old.name[len(MOVED_ASIDE):].rsplit("-", 1)[0]
+
+
+def latest_named(root: Path) -> str:
+    """What `root`'s `latest` pointer names ('' where there is none, or nothing readable)."""
+    try:
+        return (root / LATEST).read_text().strip() if (root / LATEST).is_file() else ""
+    except (OSError, UnicodeDecodeError):
+        return ""
 
 
 def moved_aside_note(spec) -> str:

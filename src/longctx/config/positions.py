@@ -27,6 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from .hf_rope import linear_positions, linear_reach
 from .schema import ModelConfig
 
 _ROPE_KEYS = ("rope_scaling", "rope_factor", "rope_original_max_len")
@@ -46,8 +47,6 @@ def unscaled_positions(m: ModelConfig, trained: int) -> int:
     whose stretch (linear_reach) is not past `trained` (hf_rope.linear_positions): int(trained / factor) was
     one short for a non-integer factor (a config.json's 4,096 x 3.3 reads 13,516, and 13,516 / 3.3 gave 4,095),
     so a changed scaling stretched 4,095 and a yarn original of 4,096 was called past what the weights learned."""
-    from .hf_rope import linear_positions
-
     if m.rope_scaling in _WITH_ORIGINAL:
         return min(trained, m.rope_original_max_len)
     if m.rope_scaling == "linear":
@@ -99,7 +98,6 @@ def trained_positions(init_from: str) -> TrainedPositions:
     """What the weights of `init_from` (hf:DIR or a longctx checkpoint) trained on."""
     from .hf import checkpoint_manifest, hf_dir, model_config, read_hf_config, resolve_init_from
     from .hf_families import with_family_defaults
-    from .hf_rope import linear_reach
 
     values, trained = {"init_from": init_from}, None
     if init_from.startswith("hf:"):

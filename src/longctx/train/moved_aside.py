@@ -19,7 +19,7 @@ import shlex
 from pathlib import Path
 
 from ..checkpoint.retention import put_back
-from ..config.checkpoint_paths import LATEST, CheckpointError, moved_aside
+from ..config.checkpoint_paths import LATEST, CheckpointError, latest_named, moved_aside
 from ..errors import ConfigError
 from .run_lock import RunLock
 
@@ -29,10 +29,7 @@ def _named_step(spec: str) -> Path:
     `latest` names, which resolve_checkpoint would pass over for an older one when that step is moved aside."""
     path = Path(spec)
     root = path.parent if path.name == LATEST and path.is_file() else path
-    try:
-        named = (root / LATEST).read_text().strip() if root.is_dir() and (root / LATEST).is_file() else ""
-    except (OSError, UnicodeDecodeError):
-        named = ""
+    named = latest_named(root) if root.is_dir() else ""
     return root / named if named.startswith("step-") and "/" not in named else path
 
 
