@@ -45,7 +45,11 @@ def test_two_ranks_whose_reader_closes_end_at_once_as_one_process_does(tmp_path,
     prompts.write_text("".join(json.dumps({"prompt": "hello " * (i + 1)}) + "\n" for i in range(6)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "longctx", "generate", "--checkpoint", f"hf:{model}", "--tokenizer", "byte",
-               "--prompts", str(prompts), "--max-new-tokens", "2", "--batch", "1", "--nproc", "2"]
+               "--prompts", str(prompts), "--max-new-tokens", "4", "--batch", "1", "--nproc", "2",
+               # (every token's 300 logprobs, 6.6 KB: 6 lines of 27 KB outgrow the pipe's 64 KiB, so the job cannot
+               # finish writing before `head` reads and closes, however late it is scheduled: with 2 new tokens and
+               # no logprobs, under the full suite's load, all six lines fitted the pipe first and the run ended 0)
+               "--logprobs", "300"]
     pipe = tmp_path / "pipe"
     if reader == "fifo":
         os.mkfifo(pipe)
@@ -55,7 +59,10 @@ def test_two_ranks_whose_reader_closes_end_at_once_as_one_process_does(tmp_path,
         # (a session of its own: a run that hangs is killed whole, launcher and ranks, below)
         run = subprocess.Popen(command, stdout=subprocess.PIPE if reader == "stdout" else subprocess.DEVNULL,
                                stderr=err_out, env=env, start_new_session=True)
-        head = subprocess.Popen(["head", "-c", "1"] + ([str(pipe)] if reader == "fifo" else []),
+        # (GENHANG_HEAD_LATE_S=8 starts the reader late, as a loaded machine may: the race the logprobs rule out)
+        late = os.environ.get("GENHANG_HEAD_LATE_S", "0")
+        head = subprocess.Popen(["sh", "-c", f'sleep {late}; exec head -c 1 "$@"', "sh"]
+                                + ([str(pipe)] if reader == "fifo" else []),
                                 stdin=run.stdout if reader == "stdout" else subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL)
         if run.stdout is not None:

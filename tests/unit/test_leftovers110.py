@@ -170,8 +170,10 @@ def test_a_named_pipe_output_whose_reader_closes_ends_as_stdout_does(tmp_path):
     os.mkfifo(pipe)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
     run = subprocess.Popen([sys.executable, "-m", "longctx", "generate", "--checkpoint", f"hf:{model}", "--tokenizer",
-                            "byte", "--prompts", str(prompts), "--max-new-tokens", "2", "--batch", "1", "--output",
-                            str(pipe)], stderr=subprocess.PIPE, env=env)
+                            "byte", "--prompts", str(prompts), "--max-new-tokens", "4", "--batch", "1", "--output",
+                            # (300 logprobs a token: 160 KB in all, more than the pipe holds, so the run cannot end
+                            # 0 by writing every line before this reader closes, however late it is scheduled)
+                            str(pipe), "--logprobs", "300"], stderr=subprocess.PIPE, env=env)
     reader = os.open(pipe, os.O_RDONLY)  # (the run opens it once the weights are read)
     assert os.read(reader, 1)
     os.close(reader)  # (a reader that has what it wanted: `head -c 1`)
