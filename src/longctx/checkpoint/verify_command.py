@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import datetime
 from pathlib import Path
 
-from ..config.checkpoint_paths import CheckpointError, find_checkpoint, moved_aside_note
+from ..config.checkpoint_paths import CheckpointError, find_checkpoint, latest_moved_aside, moved_aside_note
 from ..config.tokenizer import tokenizer_file, tokenizer_identity
 from .manifest import MANIFEST, DamagedManifest, file_problem, read_manifest, unlisted_problems
 
@@ -107,8 +107,11 @@ def verify_lines(spec: str | Path) -> tuple[list[str], dict[str, str]]:
     manifest = read_manifest(path)  # (raises when its own checksum does not match)
     _check_fields(path, manifest)
     which = "" if Path(spec).resolve() == path.resolve() else f" (the latest complete one in {spec})"
+    moved = latest_moved_aside(spec)  # (`latest` names a step a re-save left moved aside: said, with the way to it)
     lines = [
         f"checkpoint {path}{which}",
+        *([f"note: checked {path.name}, the newest complete step, not the one `latest` names: {moved}"]
+          if moved else []),
         f"  step {manifest['step']}, written {_when(manifest.get('created'))} by longctx "
         f"{manifest.get('longctx', '?')} (torch {manifest.get('torch', '?')}) under {layout_text(manifest['layout'])}",
         f"  model: {model_text(manifest)}",

@@ -143,6 +143,30 @@ def latest_named(root: Path) -> str:
         return ""
 
 
+def named_step(spec) -> Path:
+    """The step directory `spec` names: itself, or for a checkpoints directory (or its `latest` pointer) the step its
+    `latest` names, which resolve_checkpoint would pass over for an older one when that step is moved aside."""
+    path = Path(str(spec))
+    root = path.parent if path.name == LATEST and path.is_file() else path
+    named = latest_named(root) if root.is_dir() else ""
+    return root / named if named.startswith("step-") and "/" not in named else path
+
+
+def latest_moved_aside(spec) -> str:
+    """Where `spec` is a checkpoints directory (or its `latest`) whose `latest` names a step a re-save left moved aside
+    (moved_aside), so that a read-only command reads the newest complete step instead: which step that is, where it
+    is, and how to read it ('' otherwise). `longctx train` puts such a step back and resumes it (train/moved_aside.py);
+    verify, export, generate and eval rename nothing (they said nothing of it, or "missing or incomplete")."""
+    path = named_step(spec)
+    old = moved_aside(path) if path != Path(str(spec)) else None
+    if old is None:
+        return ""
+    return (f"its `{LATEST}` names {path.name}, which a re-save of that step that did not commit left moved aside as "
+            f"{old}. To read {path.name} instead, pass {shlex.quote(str(old))} (whole, read where it is), or put it "
+            f"back first: --checkpoint.resume auto of its run does, or, with no `longctx train` running on "
+            f"{path.parent}: mv {shlex.quote(str(old))} {shlex.quote(str(path))}")
+
+
 def moved_aside_note(spec) -> str:
     """What a message that found no checkpoint at `spec` adds where its step is whole, moved aside (moved_aside):
     where it is and how to put it back ('' where it is not)."""
@@ -210,7 +234,8 @@ def step_read(spec: str) -> str:
 
 def read_step(spec: str) -> tuple[int | str, str] | None:
     """(the step of the checkpoint `spec` names, the note step_read adds when `latest` named a missing or
-    incomplete one, else ''); None for hf:DIR or where there is none."""
+    incomplete one, else ''; one moved aside: latest_moved_aside's, where it is and how to read it); None for
+    hf:DIR or where there is none."""
     found = None if spec.startswith("hf:") else find_checkpoint(spec)
     if found is None:
         return None
@@ -227,4 +252,5 @@ def read_step(spec: str) -> tuple[int | str, str] | None:
         named = "nothing readable"
     if named == found.name or (named and pointer.parent / named == found):  # (a `latest` of its path too)
         return step, ""
-    return step, f"the newest complete one: its `{LATEST}` names {named}, which is missing or incomplete"
+    moved = latest_moved_aside(spec)
+    return step, f"the newest complete one: {moved or f'its `{LATEST}` names {named}, which is missing or incomplete'}"

@@ -2,6 +2,7 @@
 DTS-Gate, whose schedule starts dense. One place, read by every count of saved tensors, transients, host parts and
 dispatch buffers (memory/moe_counts.py, hier_counts.py, transients.py, hier_transients.py), so that a router with a
 schedule is counted at its widest step; the FLOP, time and communication-volume counts read moe.top_k itself.
+A resumed run is counted from the step it resumes at (`from_step`): its widest step still to run.
 """
 
 from __future__ import annotations
@@ -17,14 +18,32 @@ def peak_top_k(m: ModelConfig) -> int:
     """Experts per token the counts that bound peak memory take (activations, transients, host parts, the planner's
     memory columns): the most any step of the run routes. top_k, except for the DTS-Gate router (moe.router dts),
     which routes every expert at step 0 and anneals to top_k over moe.dts_steps (models/moe.py scheduled_experts):
-    E, what step 0 routes (top_k at dts_steps 0). A memory count has no step, so a run resumed past its schedule,
-    which routes top_k, is counted at E as well: conservative (an upper bound), as the plan made before the run
-    must hold for its first steps and a resume's step is not known where the planner, memory/auto.py and
-    the run's host budget (train/host_budget.py) count. FLOP, time and communication-volume counts stay at
-    top_k (the run's steady state)."""
+    E, what step 0 routes (top_k at dts_steps 0). A model `from_step` a resumed run's first step is counted at
+    what that step routes, the widest of the steps left (the schedule only narrows): top_k past the schedule.
+    FLOP, time and communication-volume counts stay at top_k (the run's steady state)."""
     if m.moe_router == "dts":
-        return scheduled_experts(m.moe_experts, m.moe_top_k, 0, m.moe_dts_steps)
+        return scheduled_experts(m.moe_experts, m.moe_top_k, getattr(m, "dts_from_step", 0), m.moe_dts_steps)
     return m.moe_top_k
+
+
+@dataclasses.dataclass
+class ResumedModel(ModelConfig):
+    """A model config as the steps from `dts_from_step` (0-based, a resumed run's first) on count it: peak_top_k
+    reads the step. Not a config key: made by `from_step` for the counts alone, never written to a config."""
+
+    dts_from_step: int = 0
+
+
+def from_step(m: ModelConfig, step: int) -> ModelConfig:
+    """`m` as a run whose first step left to run is optimizer `step` (0-based: a resume of a checkpoint of `step`
+    steps) counts it: a DTS-Gate model at the widest step still to run (models/moe.py scheduled_experts at `step`),
+    not step 0's E, which no step left routes. `m` itself at step 0 or without a schedule. The host budget and
+    memory.offload_fraction auto count a resume this way (train/host_budget.py counted_model); the planner plans a
+    run from its start."""
+    if m.moe_router != "dts" or step <= 0:
+        return m
+    fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(ModelConfig)}
+    return ResumedModel(**fields, dts_from_step=step)
 
 
 def at_top_k(m: ModelConfig, k: int) -> ModelConfig:

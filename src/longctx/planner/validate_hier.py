@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from ..memory.hier_counts import hier_call_bytes
+from ..memory.peak_routing import peak_top_k
 
 LEVEL_DIMS = ("expert_node", "expert_local")  # the comm counters' dims of the two levels
 
@@ -92,8 +93,10 @@ def level_bytes_at(m: ModelConfig, fig: dict, expert: int, ranks_per_node: int, 
     measured rows `fig` (measured_rows'), summed over its layers: across nodes, the rows sent out with their k ids
     and weights (d e + 12 k) and back as the rows' gradient (d e), the summed rows returned (d e) and their
     gradient with the weights' (d e + 4 k); inside the node, each pair to and from another rank's experts, forward
-    and backward (d e each). The counts' all-to-alls are fixed sizes."""
-    k, d, layers = m.moe_top_k, m.dim, fig["layers"]
+    and backward (d e each). The counts' all-to-alls are fixed sizes. k: the experts per token of the widest step
+    (memory/peak_routing.py peak_top_k, as measured_rows and the saved bytes take it): each row carries the ids and
+    weights of its call's experts, E of them in a DTS-Gate run's step 0, which its case runs."""
+    k, d, layers = peak_top_k(m), m.dim, fig["layers"]
     nodes = expert // ranks_per_node
     return {
         "expert_node": {"expert_counts": layers * 8 * (nodes - 1),

@@ -26,12 +26,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from .. import env_vars
-from ..config import Config
+from ..config import Config, ModelConfig
+from ..config.resume import resumed_manifest
 from ..costs.cuda_runtime import CUDA_RUNTIME, CUDA_RUNTIME_BYTES, with_cuda_runtime
 from ..costs.host_bytes import (
     one_memory_bytes,
@@ -46,6 +48,7 @@ from ..errors import ConfigError
 from ..job.checks import node_size, zero_pp_names
 from ..job.devices import computes_in_bf16
 from ..memory.auto import host_memory_free
+from ..memory.peak_routing import from_step
 from ..memory.policy import MemoryPolicy
 from ..memory.rss import current_rss_bytes
 from ..models.clover import CloverDraft
@@ -105,7 +108,7 @@ def _stage_bytes(cfg: Config, dims, device_type: str, seq_len: int, global_batch
     fp32 = not computes_in_bf16(cfg.train.dtype, device_type, start_cuda=False)  # (run by the launcher)
     micro_batch = max(1, global_batch // cfg.train.grad_accum // shape.dp)
     device, host = predicted_rank_bytes(
-        cfg.model, shape, MemoryPolicy.from_config(memory), cfg.memory.model_states, seq_len=seq_len,
+        counted_model(cfg), shape, MemoryPolicy.from_config(memory), cfg.memory.model_states, seq_len=seq_len,
         micro_batch=micro_batch, grad_accum=cfg.train.grad_accum, dtype_bytes=4 if fp32 else 2,
         doc_mask=cfg.data.doc_mask, async_checkpoint=cfg.checkpoint.async_save, offload_cap=offload_cap,
         bucket_blocks=max(1, cfg.parallel.grad_bucket_blocks), co2_momentum=cfg.train.co2_outer_momentum > 0,
@@ -119,6 +122,18 @@ def _stage_bytes(cfg: Config, dims, device_type: str, seq_len: int, global_batch
         host = {**host, **host_parts}
     host["total"] = sum(v for k, v in host.items() if k != "total")
     return device, host
+
+
+def counted_model(cfg: Config) -> ModelConfig:
+    """cfg.model as the steps this run has left count it (memory/peak_routing.py from_step): a resume's from the
+    step after its checkpoint's, so that a DTS-Gate run resumed into or past its schedule is counted at the widest
+    step it still runs, not at step 0's E experts per token. The checkpoint is the one checkpoint.resume loads
+    (config/resume.py resumed_manifest; none: from step 0); a resume past a rollback starts later still, whose
+    steps route no more. `auto` without train.run_dir or checkpoint.dir: a new run directory, none to resume (not
+    ./checkpoints)."""
+    new_dir = cfg.checkpoint.resume == "auto" and not cfg.train.run_dir and not cfg.checkpoint.dir
+    step = 0 if new_dir else int(resumed_manifest(cfg, Path(cfg.train.run_dir)).get("step") or 0)
+    return from_step(cfg.model, step)
 
 
 def draft_states(cfg: Config, shape: MeshShape, pinned: bool) -> tuple[float, dict[str, float]]:

@@ -25,7 +25,7 @@ from ..ops.pinned import pins
 from ..parallel.fsdp.shard import materialize
 from ..parallel.parallelize import parallelize, sequence_parallel_core
 from .glide import build_glide_training
-from .host_budget import host_bytes_besides_offload
+from .host_budget import counted_model, host_bytes_besides_offload
 from .stages import stages_of
 from .weights import load_weights
 
@@ -157,7 +157,7 @@ def _offload_for_shape(cfg: Config, device: torch.device, rt: Runtime, seq_len: 
         block_s = auto.measured_block_forward_seconds(_timing_block(cfg, device, rt), x, cos, sin, None)
     block_s = rt.max([block_s])[0]  # the slowest block decides
     return auto.choose_offload_fraction(
-        cfg.model, seq_len, local_batch, head=d.head, ctx=d.ctx, skip_last=cfg.memory.offload_skip_last,
+        counted_model(cfg), seq_len, local_batch, head=d.head, ctx=d.ctx, skip_last=cfg.memory.offload_skip_last,
         dtype_bytes=act_bytes, autocast=autocast,
         block_seconds=block_s, link_bytes_per_s=link_bytes_per_s,
         host_bytes_per_rank=host_bytes_per_rank, expert=d.expert,

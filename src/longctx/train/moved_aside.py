@@ -19,18 +19,9 @@ import shlex
 from pathlib import Path
 
 from ..checkpoint.retention import put_back
-from ..config.checkpoint_paths import LATEST, CheckpointError, latest_named, moved_aside
+from ..config.checkpoint_paths import CheckpointError, moved_aside, named_step
 from ..errors import ConfigError
 from .run_lock import RunLock
-
-
-def _named_step(spec: str) -> Path:
-    """The step directory `spec` names: itself, or for a checkpoints directory (or its `latest` pointer) the step its
-    `latest` names, which resolve_checkpoint would pass over for an older one when that step is moved aside."""
-    path = Path(spec)
-    root = path.parent if path.name == LATEST and path.is_file() else path
-    named = latest_named(root) if root.is_dir() else ""
-    return root / named if named.startswith("step-") and "/" not in named else path
 
 
 def put_back_resumed(spec, log=print) -> Path | None:
@@ -38,7 +29,7 @@ def put_back_resumed(spec, log=print) -> Path | None:
     directory put back (None: nothing to do, `spec` is auto or none, the step is there, or none is moved aside)."""
     if not isinstance(spec, str) or spec in ("auto", "none"):
         return None
-    path = _named_step(spec)
+    path = named_step(spec)
     if moved_aside(path) is None:
         return None
     lock = RunLock()

@@ -118,9 +118,10 @@ class Assembly:
 
     def _say_damaged(self) -> None:
         if self.damaged:  # by name, so they can be repaired: a count alone does not say which
-            more = f" and {len(self.damaged) - 10:,} more" if len(self.damaged) > 10 else ""
-            self.log(f"  scan      skipped {len(self.damaged):,} corrupt or unreadable input file(s) (none of their "
-                     f"documents kept): {', '.join(self.damaged[:10])}{more} (all in the manifest: damaged_files)")
+            n = len(self.damaged)
+            named = ", ".join(self.damaged[:10]) + (f" and {n - 10:,} more" if n > 10 else "")
+            self.log(f"  scan      skipped {n:,} corrupt, unreadable or UTF-16/32 input file(s) (none of their "
+                     f"documents kept): {named} (all in the manifest: damaged_files)")
 
     def count_inputs(self) -> None:
         """What the scan read (up to --max-docs), into the scan stage's record."""

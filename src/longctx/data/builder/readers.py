@@ -23,7 +23,8 @@ Bad input never stops a build half-way: an empty or whitespace-only document, a 
 byte in its first 8 KiB), invalid UTF-8, an unparsable JSON line, a record without the text field,
 a corrupt parquet or arrow file, a corrupt compressed file (bad gzip / zstd data, a truncated
 stream, an empty file) or one that cannot be opened or read (permissions, an I/O error part-way) is
-skipped and counted under its reason, and its name is recorded (`damaged`).
+skipped and counted under its reason, and its name is recorded (`damaged`). A .jsonl file in UTF-16 or UTF-32 is
+skipped whole, one skip, named as well; one with CR line ends (no LF in its first MiB) is split at CR.
 A file found damaged part-way has already yielded the documents before the damage (a stream cannot
 take them back), but they are not to be trusted: gzip and zstd find damage only at the end of a
 block or frame (its checksum), after the text before it came out wrong. So the readers' callers
@@ -37,6 +38,7 @@ first read.
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import unicodedata
 import zlib
@@ -50,6 +52,7 @@ from .table_readers import data_extra, import_pyarrow, iter_arrow, iter_parquet
 
 COMPRESSION_SUFFIXES = {".gz", ".zst"}
 CHUNK = 1 << 20  # bytes read (or decompressed) at a time when streaming a file
+LINE_END_LOOKAHEAD = 1 << 20  # bytes of a jsonl unit that tell its line ends (_line_end)
 _NO_RESPONSE = object()  # a plain document's record (no --response-field)
 
 
@@ -58,7 +61,12 @@ _NO_RESPONSE = object()  # a plain document's record (no --response-field)
 SKIP_REASONS = {
     "empty": "empty",                            # no text, or whitespace only
     "binary": "binary",                          # a NUL byte in the first 8 KiB
-    "invalid_utf8": "not UTF-8",                 # also a .jsonl line in UTF-16, a JSON string "\ud800" (lone surrogate)
+    "invalid_utf8": "not UTF-8",                 # also a JSON string "\ud800" (a lone surrogate)
+    # a .jsonl file in UTF-16 / UTF-32 (a byte-order mark, or an ASCII start's zero bytes): skipped whole, counted once
+    "utf16_file": "UTF-16 .jsonl file (convert it to UTF-8: iconv -f UTF-16 -t UTF-8 IN > OUT; -f UTF-16LE if it "
+                  "has no byte-order mark)",
+    "utf32_file": "UTF-32 .jsonl file (convert it to UTF-8: iconv -f UTF-32 -t UTF-8 IN > OUT; -f UTF-32LE if it "
+                  "has no byte-order mark)",
     "other_suffix": "unsupported suffix",        # a file of a kind no reader takes (e.g. .png, .parquet.gz)
     "bad_json_line": "unparsable JSON line",     # also a line that is not a JSON object
     "missing_text_field": "no text field",       # a record without the text field, or a non-string value
@@ -73,7 +81,9 @@ SKIP_REASONS = {
 }
 # the reasons that say an input file is damaged (named in messages and the manifest, none of its documents kept);
 # "unreadable" too: an I/O error part-way left it read in part, and a count alone did not name it
-DAMAGE_REASONS = ("bad_compressed_file", "bad_parquet_file", "bad_arrow_file", "unreadable")
+# and a .jsonl file in UTF-16 / UTF-32, named so that the one to convert is known
+DAMAGE_REASONS = ("bad_compressed_file", "bad_parquet_file", "bad_arrow_file", "unreadable", "utf16_file",
+                  "utf32_file")
 
 
 def skipped_text(skipped: dict) -> str:
@@ -213,11 +223,29 @@ def _chunks(f, compression: str | None, path: Path) -> Iterator[bytes]:
     return _raw_chunks(f)
 
 
+def _line_end(chunks: Iterable[bytes]) -> tuple[bytes, Iterator[bytes]]:
+    """(what a jsonl unit's lines end with, its chunks): b"\\r" where its first LINE_END_LOOKAHEAD bytes (all of it,
+    if shorter) hold a CR and no LF (classic Mac OS line ends: split at LF the file was one bad line), else b"\\n"
+    (LF, CRLF; a CR before an LF is JSON white space, or a CRLF's)."""
+    chunks = iter(chunks)
+    seen, size, cr = [], 0, False
+    for chunk in chunks:
+        seen.append(chunk)
+        if b"\n" in chunk:
+            return b"\n", itertools.chain(seen, chunks)
+        size, cr = size + len(chunk), cr or b"\r" in chunk
+        if size >= LINE_END_LOOKAHEAD:
+            break
+    return (b"\r" if cr else b"\n"), itertools.chain(seen, chunks)
+
+
 def _lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
-    """Lines split at b"\\n" (without it), numbered as bytes.split(b"\\n") numbers them."""
+    """Lines split at b"\\n" (without it), numbered as bytes.split(b"\\n") numbers them; at b"\\r" in a file of CR
+    line ends (_line_end)."""
+    end, chunks = _line_end(chunks)
     pending: list[bytes] = []  # the pieces of a line that spans chunks
     for chunk in chunks:
-        parts = chunk.split(b"\n")
+        parts = chunk.split(end)
         if len(parts) > 1:
             pending.append(parts[0])
             yield b"".join(pending)
@@ -305,8 +333,27 @@ def jsonl_lines(f, compression: str | None, path: Path) -> Iterator[bytes]:
     return _lines(_chunks(f, compression, path))
 
 
+def wide_encoding(head: bytes) -> str | None:
+    """"UTF-16" or "UTF-32" where a jsonl unit's first bytes `head` are in one (its byte-order mark, or without one
+    the zero bytes of an ASCII character, `{` or white space, in either byte order), else None. A UTF-8 line
+    starts with no zero byte: JSON allows none outside a string."""
+    if head.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):
+        return "UTF-32"
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return "UTF-16"
+    zero = tuple(b == 0 for b in head[:4])
+    if zero in ((False, True, True, True), (True, True, True, False)):
+        return "UTF-32"
+    return "UTF-16" if zero in ((False, True, False, True), (True, False, True, False)) else None
+
+
 def _iter_jsonl(lines: Iterable[bytes], name: str, fields: list[tuple], accept, skipped: Counter) -> Iterator[Document]:
     for i, line in enumerate(lines, start=1):
+        if i == 1 and (wide := wide_encoding(line)):
+            # (read as UTF-8 each of its lines was one more bad line, thousands of them: the file, skipped whole,
+            # is one skip, named with the damaged files, that says how to convert it)
+            skipped["utf16_file" if wide == "UTF-16" else "utf32_file"] += 1
+            return
         if not line.strip():
             continue
         # Decoded as UTF-8 here, not by json.loads, which takes bytes in UTF-16 and UTF-32 too: a UTF-16 file
