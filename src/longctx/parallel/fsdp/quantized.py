@@ -31,10 +31,25 @@ except ImportError:  # pragma: no cover - older torch: qwZ and qgZ are refused a
 _LEVELS = 127.0
 
 
+def _largest_scale() -> float:
+    """The largest fp32 scale whose level 127 dequantises finite: fp32's largest value / 127, rounded down."""
+    scale = torch.tensor(torch.finfo(torch.float32).max / _LEVELS, dtype=torch.float32)
+    while not torch.isfinite(scale * _LEVELS):
+        scale = torch.nextafter(scale, torch.zeros(()))
+    return scale.item()
+
+
+_MAX_SCALE = _largest_scale()
+
+
 def _quantize_rows(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """blocks [..., block] -> (int8 [..., block], fp32 scale [...]: each block's largest magnitude / 127)."""
     blocks = blocks.float()
     scale = torch.maximum(blocks.amax(dim=-1), -blocks.amin(dim=-1)) / _LEVELS  # (no |x| copy: one read)
+    # a finite block within an fp32 ulp of fp32's largest value: its scale rounded up, 127 x it overflowed, and
+    # the finite value came back inf (the step's guard then skipped it). Capped, it comes back within an ulp; an
+    # inf keeps its inf scale (and a nan its nan), so a non-finite block still comes back non-finite
+    scale = torch.where(scale.isinf(), scale, scale.clamp(max=_MAX_SCALE))
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block stays zero
     return torch.round(blocks / safe[..., None]).clamp_(-_LEVELS, _LEVELS).to(torch.int8), scale
 
