@@ -92,7 +92,11 @@ class HFTokenizer:
         # ids need not be dense (a trimmed vocabulary, added tokens past the base one): the size is what an id
         # table needs, largest id + 1, not the count of tokens (a store's token dtype follows it: store.py)
         self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
-        eos = next((vocab[t] for t in _EOS_CANDIDATES if t in vocab), None)
+        # a special token first: a candidate's string may also be a plain token, learnt from text that held it (a
+        # BPE trained on code writing "<|endoftext|>"), which a document's text encodes to: a word, no end
+        special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        eos = next((vocab[t] for t in _EOS_CANDIDATES if t in special), None)
+        eos = next((vocab[t] for t in _EOS_CANDIDATES if t in vocab), None) if eos is None else eos
         if eos is None:  # (DeepSeek's <｜end▁of▁sentence｜>, ...: the model's own, where its config names it)
             eos = vocab.get(_eos_from_config(path, vocab))
         if eos is None:

@@ -101,9 +101,10 @@ class StopStrings:
 class Stream:
     """One prompt's text, printed to stderr as it grows. What is shown is always a prefix of the text
     the JSON line will hold: nothing at or after a stop string that the text contains, nothing of a
-    tail that could still become one (a suffix of the text that a stop string starts with), and no
-    partial UTF-8 character. So the terminal never shows a character the JSON output removes, whether
-    the stop string spans tokens or sits inside one, and whatever order the engine checks it in.
+    tail that could still become one (a suffix of the text that a stop string starts with), no partial
+    UTF-8 character, and nothing of an open run of byte-fallback tokens (_open_run). So the terminal never
+    shows a character the JSON output removes, whether the stop string spans tokens or sits inside one,
+    and whatever order the engine checks it in.
 
     Each token costs the same whatever the length: only the tokens after the last settled one are
     decoded, after a few settled ones for context (a SentencePiece decoder drops the first space of a
@@ -119,18 +120,24 @@ class Stream:
         self.base, self.unshown = 0, ""  # the settled text from character `base` on (base <= shown)
         self.origin = 0  # where the continuation's text begins: after the prompt's last ids, not shown
         self.context = 0  # how many of self.tokens are the prompt's (prompt_context's ids)
+        self.bytes = getattr(tokenizer, "fallback_bytes", dict)()  # {id: byte} of a ByteFallback decoder's tokens
+        self.silent = set(getattr(tokenizer, "special_tokens", dict)().values())
+        self.run_from, self.length = None, 0  # (_open_run) an open byte run's start, not shown; the text's length
         if prompt_ids:  # (the text as it reads after the prompt, continuation_text's: its first space kept)
             self.tokens, head = prompt_context(tokenizer, prompt_ids)
             self.settled = self.context = len(self.tokens)
-            self.shown = self.base = self.origin = len(head)
+            self.shown = self.base = self.origin = self.length = len(head)
 
     def __call__(self, row: int, token: int) -> None:
         self.tokens.append(token)
+        self._open_run(token)
         text = self._text_from_base()
+        self.length = self.base + len(text)
         end = len(text)
         start = self.shown - self.base
         while end > start and text[end - 1] == "\ufffd":  # (a partial character, before stop strings are
             end -= 1                                       # matched: it would end a tail one begins with)
+        end = end if self.run_from is None else max(start, min(end, self.run_from - self.base))
         end = safe_end(text, self.stops, start, end)
         if end > start:
             sys.stderr.write(text[start:end])
@@ -141,6 +148,15 @@ class Stream:
         else:
             drop = max(0, min(end, len(self.unshown)))  # (the settled text shown now is not kept)
             self.unshown, self.base = self.unshown[drop:], self.base + drop
+
+    def _open_run(self, token: int) -> None:
+        """`run_from`: where (as `base` counts) the run of a ByteFallback decoder's byte tokens that the tokens end
+        with begins (special tokens, which decode leaves out, join it); None for none. Its characters are not
+        final: a stray byte after them makes the decoder write the whole run as U+FFFD (from_character)."""
+        if token in self.bytes:
+            self.run_from = self.length if self.run_from is None else self.run_from
+        elif token not in self.silent:
+            self.run_from = None
 
     def _text_from_base(self) -> str:
         """The text of all tokens so far, from character `base` on."""
