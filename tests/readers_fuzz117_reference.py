@@ -130,8 +130,10 @@ def _jsonl(raw: bytes, name: str, docs, skipped, damaged=None):
         if damaged is not None:
             damaged.append(name)
         return
-    head = raw[:1 << 20]  # (CR line ends: a CR and no LF in the first MiB)
-    for i, line in enumerate(raw.split(b"\r" if b"\r" in head and b"\n" not in head else b"\n"), start=1):
+    head = raw[:1 << 20]  # (CR line ends: a CR and no LF in the first MiB; there an LF ends a line too, CRLF one)
+    cr = b"\r" in head and b"\n" not in head
+    lines = [q for p in raw.split(b"\r") for q in p.removeprefix(b"\n").split(b"\n")] if cr else raw.split(b"\n")
+    for i, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         if line.startswith(b"\xef\xbb\xbf"):

@@ -169,8 +169,9 @@ def latest_moved_aside(spec) -> str:
 
 def moved_aside_note(spec) -> str:
     """What a message that found no checkpoint at `spec` adds where its step is whole, moved aside (moved_aside):
-    where it is and how to put it back ('' where it is not)."""
-    path = Path(str(spec))
+    where it is and how to put it back ('' where it is not). A checkpoints directory (or its `latest`): the step its
+    `latest` names (named_step), where no other complete step is there to read instead."""
+    path = named_step(spec)
     old = moved_aside(path)
     if old is None:
         return ""

@@ -33,7 +33,8 @@ from torch import nn
 
 from .. import env_vars
 from ..config import Config, ModelConfig
-from ..config.resume import resumed_manifest
+from ..config.checkpoint_paths import manifest_or_empty, resume_candidates
+from ..config.resume import checkpoint_root, resumed_manifest
 from ..costs.cuda_runtime import CUDA_RUNTIME, CUDA_RUNTIME_BYTES, with_cuda_runtime
 from ..costs.host_bytes import (
     one_memory_bytes,
@@ -128,12 +129,25 @@ def counted_model(cfg: Config) -> ModelConfig:
     """cfg.model as the steps this run has left count it (memory/peak_routing.py from_step): a resume's from the
     step after its checkpoint's, so that a DTS-Gate run resumed into or past its schedule is counted at the widest
     step it still runs, not at step 0's E experts per token. The checkpoint is the one checkpoint.resume loads
-    (config/resume.py resumed_manifest; none: from step 0); a resume past a rollback starts later still, whose
-    steps route no more. `auto` without train.run_dir or checkpoint.dir: a new run directory, none to resume (not
-    ./checkpoints)."""
-    new_dir = cfg.checkpoint.resume == "auto" and not cfg.train.run_dir and not cfg.checkpoint.dir
-    step = 0 if new_dir else int(resumed_manifest(cfg, Path(cfg.train.run_dir)).get("step") or 0)
-    return from_step(cfg.model, step)
+    (config/resume.py resumed_manifest; none: from step 0); under `auto` the oldest it may load (resume_candidates
+    whose manifests read): it passes over one whose files are damaged, which only their checksums tell as it loads,
+    for the one before it (checkpoint/manager.py resume_point), whose next steps route more (counted at the newest,
+    a fallback from step 4 to step 2 ran 5 experts per token counted at 2). A resume past a rollback starts later
+    still, whose steps route no more. `auto` without train.run_dir or checkpoint.dir: a new run directory, none to
+    resume (not ./checkpoints)."""
+    if cfg.checkpoint.resume != "auto":
+        return from_step(cfg.model, _step(resumed_manifest(cfg, Path(cfg.train.run_dir))))
+    if not cfg.train.run_dir and not cfg.checkpoint.dir:
+        return cfg.model
+    candidates = resume_candidates(checkpoint_root(cfg, Path(cfg.train.run_dir)))
+    return from_step(cfg.model, min((_step(m) for p in candidates if (m := manifest_or_empty(p))), default=0))
+
+
+def _step(manifest: dict) -> int:
+    """A manifest's step; 0 (counted from the start) where it records none that is a number: an older candidate's
+    garbled manifest, which the load passes over, is no reason to fail here."""
+    step = manifest.get("step")
+    return step if isinstance(step, int) else 0
 
 
 def draft_states(cfg: Config, shape: MeshShape, pinned: bool) -> tuple[float, dict[str, float]]:

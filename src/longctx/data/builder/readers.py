@@ -24,7 +24,7 @@ byte in its first 8 KiB), invalid UTF-8, an unparsable JSON line, a record witho
 a corrupt parquet or arrow file, a corrupt compressed file (bad gzip / zstd data, a truncated
 stream, an empty file) or one that cannot be opened or read (permissions, an I/O error part-way) is
 skipped and counted under its reason, and its name is recorded (`damaged`). A .jsonl file in UTF-16 or UTF-32 is
-skipped whole, one skip, named as well; one with CR line ends (no LF in its first MiB) is split at CR.
+skipped whole, one skip, named as well; one with CR line ends (no LF in its first MiB) is split at CR (and LF).
 A file found damaged part-way has already yielded the documents before the damage (a stream cannot
 take them back), but they are not to be trusted: gzip and zstd find damage only at the end of a
 block or frame (its checksum), after the text before it came out wrong. So the readers' callers
@@ -63,10 +63,10 @@ SKIP_REASONS = {
     "binary": "binary",                          # a NUL byte in the first 8 KiB
     "invalid_utf8": "not UTF-8",                 # also a JSON string "\ud800" (a lone surrogate)
     # a .jsonl file in UTF-16 / UTF-32 (a byte-order mark, or an ASCII start's zero bytes): skipped whole, counted once
-    "utf16_file": "UTF-16 .jsonl file (convert it to UTF-8: iconv -f UTF-16 -t UTF-8 IN > OUT; -f UTF-16LE if it "
-                  "has no byte-order mark)",
-    "utf32_file": "UTF-32 .jsonl file (convert it to UTF-8: iconv -f UTF-32 -t UTF-8 IN > OUT; -f UTF-32LE if it "
-                  "has no byte-order mark)",
+    "utf16_file": "UTF-16 .jsonl file (convert it to UTF-8: iconv -f UTF-16 -t UTF-8 IN > OUT; without a "
+                  "byte-order mark -f UTF-16LE, or -f UTF-16BE where its first byte is 0)",
+    "utf32_file": "UTF-32 .jsonl file (convert it to UTF-8: iconv -f UTF-32 -t UTF-8 IN > OUT; without a "
+                  "byte-order mark -f UTF-32LE, or -f UTF-32BE where its first byte is 0)",
     "other_suffix": "unsupported suffix",        # a file of a kind no reader takes (e.g. .png, .parquet.gz)
     "bad_json_line": "unparsable JSON line",     # also a line that is not a JSON object
     "missing_text_field": "no text field",       # a record without the text field, or a non-string value
@@ -240,9 +240,17 @@ def _line_end(chunks: Iterable[bytes]) -> tuple[bytes, Iterator[bytes]]:
 
 
 def _lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
-    """Lines split at b"\\n" (without it), numbered as bytes.split(b"\\n") numbers them; at b"\\r" in a file of CR
-    line ends (_line_end)."""
+    """Lines split at b"\\n" (without it), numbered as bytes.split(b"\\n") numbers them; in a file of CR line ends
+    (_line_end) at b"\\r", and at an LF too (a CRLF one end): an LF file whose first MiB, one line, held a CR."""
     end, chunks = _line_end(chunks)
+    for line in _split(chunks, end):
+        if end == b"\n" or b"\n" not in line:
+            yield line
+        else:
+            yield from line.removeprefix(b"\n").split(b"\n")
+
+
+def _split(chunks: Iterable[bytes], end: bytes) -> Iterator[bytes]:
     pending: list[bytes] = []  # the pieces of a line that spans chunks
     for chunk in chunks:
         parts = chunk.split(end)
