@@ -15,7 +15,8 @@ import pytest
 from longctx.data.tokenizer import load_tokenizer
 from longctx.durable import check_output_path
 from longctx.errors import ConfigError
-from longctx.generate.output import Output, partial_path
+from longctx.generate.output import Output
+from longctx.generate.output_paths import partial_path
 
 
 @pytest.fixture

@@ -115,7 +115,7 @@ def prepare(args, overrides: list[str]) -> GenerateRequest:
     """Check every input and tokenize the prompts, before any weight is read."""
     from .context_memory import check_prompts, memory_reach, memory_shape
     from .loading import check_window, dropless_notes, eos_ids
-    from .output import replacing_note
+    from .output_paths import replacing_note
     from .prompts import read_prompts, tokenize_prompts, tokenizer_spec, with_turn_end
     from .settings import check_logprobs, check_run_flags
 

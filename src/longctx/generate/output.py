@@ -16,8 +16,9 @@ import sys
 from pathlib import Path
 
 from .. import strict_json
-from ..durable import new_file_error, publish, written_in_place
+from ..durable import publish
 from ..errors import ConfigError, UserError
+from .output_paths import partial_path
 
 
 class ReaderGone(UserError):
@@ -111,7 +112,8 @@ class Stream:
     decoding: '▁time' alone is 'time'), and only the text not yet shown is kept and searched. A stop
     string cannot begin in the shown text (safe_end held back every tail one could begin). When the
     context's text is not a prefix of the longer decoding (a character across the boundary), the
-    whole is decoded instead, as before."""
+    row's text is decoded as the line reads it (text_after: the new ids alone where the prompt's text is no prefix
+    of the whole; the whole decoding, cut at the prompt's length, showed other characters before 2026-12-07)."""
 
     def __init__(self, tokenizer, stops: list[str], prompt_ids=()):
         self.tokenizer, self.tokens, self.shown = tokenizer, [], 0
@@ -119,18 +121,19 @@ class Stream:
         self.settled = 0  # tokens whose text is final: it is self.unshown's prefix, or shown already
         self.base, self.unshown = 0, ""  # the settled text from character `base` on (base <= shown)
         self.origin = 0  # where the continuation's text begins: after the prompt's last ids, not shown
-        self.context = 0  # how many of self.tokens are the prompt's (prompt_context's ids)
+        self.context, self.head = 0, ""  # how many of self.tokens are the prompt's (prompt_context's ids), their text
         self.bytes = getattr(tokenizer, "fallback_bytes", dict)()  # {id: byte} of a ByteFallback decoder's tokens
         self.silent = set(getattr(tokenizer, "special_tokens", dict)().values())
         self.run_from, self.length = None, 0  # (_open_run) an open byte run's start, not shown; the text's length
         if prompt_ids:  # (the text as it reads after the prompt, continuation_text's: its first space kept)
-            self.tokens, head = prompt_context(tokenizer, prompt_ids)
+            self.tokens, self.head = prompt_context(tokenizer, prompt_ids)
             self.settled = self.context = len(self.tokens)
-            self.shown = self.base = self.origin = self.length = len(head)
+            self.shown = self.base = self.origin = self.length = len(self.head)
 
     def __call__(self, row: int, token: int) -> None:
         self.tokens.append(token)
-        self._open_run(token)
+        if self._open_run(token):  # (a run begun before goes on: nothing more shows, nothing is decoded)
+            return
         text = self._text_from_base()
         self.length = self.base + len(text)
         end = len(text)
@@ -149,14 +152,19 @@ class Stream:
             drop = max(0, min(end, len(self.unshown)))  # (the settled text shown now is not kept)
             self.unshown, self.base = self.unshown[drop:], self.base + drop
 
-    def _open_run(self, token: int) -> None:
+    def _open_run(self, token: int) -> bool:
         """`run_from`: where (as `base` counts) the run of a ByteFallback decoder's byte tokens that the tokens end
         with begins (special tokens, which decode leaves out, join it); None for none. Its characters are not
-        final: a stray byte after them makes the decoder write the whole run as U+FFFD (from_character)."""
+        final: a stray byte after them makes the decoder write the whole run as U+FFFD (from_character). True
+        where `token` goes on a run begun before it: nothing past the run's start shows until it ends, and the text
+        before it showed at its first token, so nothing is decoded (a partial character's bytes decode as U+FFFD, no
+        prefix of the settled text: the whole row was decoded for each such token, O(n) a token)."""
+        going_on = self.run_from is not None and (token in self.bytes or token in self.silent)
         if token in self.bytes:
             self.run_from = self.length if self.run_from is None else self.run_from
         elif token not in self.silent:
             self.run_from = None
+        return going_on
 
     def _text_from_base(self) -> str:
         """The text of all tokens so far, from character `base` on."""
@@ -169,7 +177,8 @@ class Stream:
         whole = self.tokenizer.decode([*context, *self.tokens[self.settled:]])
         if whole.startswith(head):
             return self.unshown + whole[len(head):]
-        return self.tokenizer.decode(self.tokens)[self.base:]
+        return text_after(self.tokenizer, (self.tokens[:self.context], self.head),  # (as the line reads it: see
+                          self.tokens[self.context:])[self.base - self.origin:]  # the class docstring)
 
     def finish(self, text: str) -> None:
         sys.stderr.write(text[self.shown - self.origin:] + "\n")
@@ -424,27 +433,3 @@ def _one_line(dumped: str) -> str:
         if raw in dumped:
             dumped = dumped.replace(raw, escaped)
     return dumped
-
-
-def replacing_note(path: str) -> str:
-    """The note that --output `path` holds a file already, which this run replaces ('' when none, or not a regular
-    file: /dev/null), said before the weights are read: a demanding user's earlier results are never replaced
-    without a word, and a Ctrl-C then still keeps them."""
-    if not path or not os.path.isfile(path) or written_in_place(path):
-        return ""
-    if partial_path(path) == path:  # (its directory takes no new file: written over as the lines come)
-        return f"--output {path} exists: it is written over in place, from the first line on"
-    return (f"--output {path} exists: it is replaced once every line is in (until then it stays as it was, the "
-            f"lines going to {partial_path(path)})")
-
-
-def partial_path(path: str) -> str:
-    """Where the lines of an --output file are written until every one is in (then renamed `path`): `path`
-    itself when it is no regular file (/dev/null, /dev/stdout, a pipe) or one a process has open (/dev/stdout
-    redirected to a file, /proc/self/fd/N), which a rename would replace; or an existing file in a directory that
-    takes no new one (durable.py check_output_path accepts it when it may be written)."""
-    if written_in_place(path):
-        return path
-    if os.path.isfile(path) and new_file_error(Path(os.path.realpath(path)).parent) is not None:
-        return path
-    return f"{path}.partial"

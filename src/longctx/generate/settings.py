@@ -191,7 +191,7 @@ def check_run_flags(args) -> None:
         raise ConfigError(f"--min-new-tokens {args.min_new_tokens} holds back EOS, which --ignore-eos already never "
                           f"ends a row on: it does nothing; drop one of them.")
     check_output_path("--output", args.output, {"--prompts": args.prompts})
-    from .output import partial_path  # (the lines go there until the last is in)
+    from .output_paths import partial_path  # (the lines go there until the last is in)
 
     if args.output and args.prompts and os.path.realpath(partial_path(args.output)) == os.path.realpath(args.prompts):
         raise ConfigError(f"--output {args.output} is written as {partial_path(args.output)} until done, which is "

@@ -189,6 +189,12 @@ def _open_store(opts: BuildOptions, tok, merge: bool = False) -> tuple[Path, dic
                             f"this version of longctx begins each with the tokenizer's own prefix "
                             f"{tok.text_prefix()}; an append would mix the two. Rebuild the store (all its inputs) "
                             f"into a new --out.")
+        had = old["tokenizer"].get("eos_id")
+        if had is not None and int(had) != tok.eos_id:  # (a store from before the EOS was a special token first)
+            raise DataError(f"the store '{root}' ends its documents with token id {had}, but this version of longctx "
+                            f"ends each with {tok.eos_id}, the tokenizer's special end-of-document token (before "
+                            f"2026-12-07 the first candidate string in its vocabulary, a plain word there); an append "
+                            f"would mix the two. Rebuild the store (all its inputs) into a new --out.")
     return root, old
 
 
