@@ -69,6 +69,20 @@ def _eos_from_config(path: Path, vocab: dict[str, int]) -> str | None:
     return _configured_eos(path)
 
 
+def _candidate_eos(tok: Tokenizer, vocab: dict[str, int]) -> str | None:
+    """The first of _EOS_CANDIDATES that is one of the tokenizer's special tokens, else the first in its vocabulary
+    (None where none is). A special token first: a candidate's string may also be a plain token, learnt from text
+    that held it (a BPE trained on code writing "<|endoftext|>"), which a document's text encodes to: a word, no
+    end. Before 2026-12-07 (commit 7f273663) the first in the vocabulary was taken: tokenizer_digest tells the
+    tokenizers where that differs apart."""
+    special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    return next((t for t in _EOS_CANDIDATES if t in special), None) or _first_candidate(vocab)
+
+
+def _first_candidate(vocab: dict[str, int]) -> str | None:
+    return next((t for t in _EOS_CANDIDATES if t in vocab), None)
+
+
 class HFTokenizer:
     """A local Hugging Face `tokenizer.json`, read with the `tokenizers` library."""
 
@@ -92,11 +106,7 @@ class HFTokenizer:
         # ids need not be dense (a trimmed vocabulary, added tokens past the base one): the size is what an id
         # table needs, largest id + 1, not the count of tokens (a store's token dtype follows it: store.py)
         self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
-        # a special token first: a candidate's string may also be a plain token, learnt from text that held it (a
-        # BPE trained on code writing "<|endoftext|>"), which a document's text encodes to: a word, no end
-        special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
-        eos = next((vocab[t] for t in _EOS_CANDIDATES if t in special), None)
-        eos = next((vocab[t] for t in _EOS_CANDIDATES if t in vocab), None) if eos is None else eos
+        eos = vocab.get(_candidate_eos(self._tok, vocab))
         if eos is None:  # (DeepSeek's <｜end▁of▁sentence｜>, ...: the model's own, where its config names it)
             eos = vocab.get(_eos_from_config(path, vocab))
         if eos is None:
@@ -190,22 +200,33 @@ def tokenizer_digest(spec: str) -> str | None:
     """sha256 of a tokenizer spec's tokenizer.json (None for `byte` or a missing file): what a cached or
     half-built store was tokenized with, beyond its path. Where the end-of-document token comes from the
     tokenizer_config.json beside it, that token too: an edit of its eos_token separates documents with another
-    id, under an unchanged tokenizer.json."""
+    id, under an unchanged tokenizer.json. Where a special candidate is chosen over an earlier one that is a plain
+    word (_candidate_eos), the chosen string too: a store built before that rule ended documents with the word,
+    and is rebuilt; every other tokenizer keeps the digest it had."""
     if spec == "byte":
         return None
     path = Path(spec)
     path = path / "tokenizer.json" if path.is_dir() else path
     try:
-        digest = hashlib.sha256(path.read_bytes())
+        data = path.read_bytes()
     except OSError:
         return None
-    if _configured_eos(path) is not None:  # (only then is the vocabulary worth reading)
+    digest = hashlib.sha256(data)
+    config = _configured_eos(path) is not None
+    # (the vocabulary is worth reading only where the config may name the token, or where two candidates' strings
+    # are in the file: only then may a special candidate be chosen over an earlier plain one)
+    if config or sum(t.encode() in data for t in _EOS_CANDIDATES) >= 2:
         try:
-            eos = _eos_from_config(path, Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True))
+            tok = Tokenizer.from_file(str(path))
         except Exception:  # (unreadable: HFTokenizer says why, where the store is built)
-            eos = None
+            return digest.hexdigest()
+        vocab = tok.get_vocab(with_added_tokens=True)
+        eos = _eos_from_config(path, vocab) if config else None
         if eos is not None:
             digest.update(b"\0eos_token of tokenizer_config.json\0" + eos.encode())
+        chosen = _candidate_eos(tok, vocab)
+        if chosen != _first_candidate(vocab):  # (else its stores keep the digest they were built under)
+            digest.update(b"\0special end-of-document token\0" + chosen.encode())
     return digest.hexdigest()
 
 

@@ -7,10 +7,10 @@ staging under checkpoint.async, the data loader's batches. On a CPU run the devi
 too, so the rank's device bytes (states, FSDP's gathers, activations, transient) are counted as
 well, as one memory holds them (costs/host_bytes.py one_memory_bytes: under `host` the gradients and
 the saved activations never meet; the foreach AdamW's step under `device`). The largest stage of
-train.stages sets the figure. `memory.offload_fraction = auto` is decided inside the ranks
-(memory/auto.py), bounded by 0.8 x this rank's share of host memory less the rank's other host bytes
-(the model-state tier's states, staging, the loader): it is counted here at its largest, fraction 1.0,
-capped at that bound. On a CUDA run each rank's CUDA context and the libraries it loads (the CUDA runtime,
+train.stages still to run sets the figure (a resumed run's: stages_left). `memory.offload_fraction = auto` is
+decided inside the ranks (memory/auto.py), bounded by 0.8 x this rank's share of host memory less the rank's
+other host bytes (the model-state tier's states, staging, the loader): it is counted here at its largest,
+fraction 1.0, capped at that bound. On a CUDA run each rank's CUDA context and the libraries it loads (the CUDA runtime,
 cuBLAS, cuDNN, NCCL) take host memory too: costs/cuda_runtime.py's one figure, part "cuda_runtime", which the
 planner's host/node counts the same way. Ranks yet to start (`longctx train --nproc N`) each take an interpreter
 with torch and longctx imported, part "process" (this launcher's RSS, at most costs/rank_process.py's figure, which
@@ -55,7 +55,7 @@ from ..memory.rss import current_rss_bytes
 from ..models.clover import CloverDraft
 from ..models.glide import GlideDraft
 from ..ops.pinned import pinned_bytes, pins, planned_pinned_bytes
-from .stages import stages_of
+from .stages import Stage, stages_of
 
 BUDGET_ENV = env_vars.HOST_MEMORY_ENV
 AUTO_SHARE = 0.8  # memory/auto.py: offload_fraction auto keeps within 0.8 x host memory per rank
@@ -126,21 +126,35 @@ def _stage_bytes(cfg: Config, dims, device_type: str, seq_len: int, global_batch
 
 
 def counted_model(cfg: Config) -> ModelConfig:
-    """cfg.model as the steps this run has left count it (memory/peak_routing.py from_step): a resume's from the
-    step after its checkpoint's, so that a DTS-Gate run resumed into or past its schedule is counted at the widest
-    step it still runs, not at step 0's E experts per token. The checkpoint is the one checkpoint.resume loads
-    (config/resume.py resumed_manifest; none: from step 0); under `auto` the oldest it may load (resume_candidates
-    whose manifests read): it passes over one whose files are damaged, which only their checksums tell as it loads,
-    for the one before it (checkpoint/manager.py resume_point), whose next steps route more (counted at the newest,
-    a fallback from step 4 to step 2 ran 5 experts per token counted at 2). A resume past a rollback starts later
-    still, whose steps route no more. `auto` without train.run_dir or checkpoint.dir: a new run directory, none to
-    resume (not ./checkpoints)."""
+    """cfg.model as the steps this run has left count it (memory/peak_routing.py from_step, at resume_step): a
+    DTS-Gate run resumed into or past its schedule is counted at the widest step it still runs, not at step 0's E
+    experts per token."""
+    return from_step(cfg.model, resume_step(cfg))
+
+
+def stages_left(cfg: Config) -> list[Stage]:
+    """The train.stages stages whose steps are still to run from resume_step (the last stage where none is): what
+    the host budget and memory.offload_fraction auto (train/model.py) count. A resume past a longer stage is not
+    counted at it, an over-count that refused a run or chose more offload than it needs."""
+    step, stages = resume_step(cfg), stages_of(cfg)
+    return [s for s in stages if s.last_step > step] or stages[-1:]
+
+
+def resume_step(cfg: Config) -> int:
+    """The step of the checkpoint this run resumes from (0: from the start), the first step left to run being the
+    one after it. The checkpoint is the one checkpoint.resume loads (config/resume.py resumed_manifest; none: 0);
+    under `auto` the oldest it may load (resume_candidates whose manifests read): it passes over one whose files
+    are damaged, which only their checksums tell as it loads, for the one before it (checkpoint/manager.py
+    resume_point), whose next steps route more (counted at the newest, a fallback from step 4 to step 2 ran 5
+    experts per token counted at 2) and may lie in an earlier stage. A resume past a rollback starts later still,
+    whose steps route no more and are in no earlier stage. `auto` without train.run_dir or checkpoint.dir: a new
+    run directory, none to resume (not ./checkpoints)."""
     if cfg.checkpoint.resume != "auto":
-        return from_step(cfg.model, _step(resumed_manifest(cfg, Path(cfg.train.run_dir))))
+        return _step(resumed_manifest(cfg, Path(cfg.train.run_dir)))
     if not cfg.train.run_dir and not cfg.checkpoint.dir:
-        return cfg.model
+        return 0
     candidates = resume_candidates(checkpoint_root(cfg, Path(cfg.train.run_dir)))
-    return from_step(cfg.model, min((_step(m) for p in candidates if (m := manifest_or_empty(p))), default=0))
+    return min((_step(m) for p in candidates if (m := manifest_or_empty(p))), default=0)
 
 
 def _step(manifest: dict) -> int:
@@ -197,7 +211,7 @@ def host_bytes_besides_offload(cfg: Config, dims, device_type: str, seq_len: int
 
 def rank_host_bytes(cfg: Config, dims, device_type: str, ranks_on_node: int, budget: float,
                     cuda_context_held: bool = False) -> dict[str, float]:
-    """One rank's host bytes by part and their "total", for the stage that needs the most. Under
+    """One rank's host bytes by part and their "total", for the stage still to run that needs the most. Under
     offload_fraction auto the activations are counted at fraction 1.0, capped at what auto may take: 0.8 x
     this rank's share of the budget, less the rank's other host bytes (memory/auto.py). On a CUDA run, the
     rank's CUDA context and libraries ("cuda_runtime": costs/cuda_runtime.py) too, unless `cuda_context_held`
@@ -205,7 +219,7 @@ def rank_host_bytes(cfg: Config, dims, device_type: str, ranks_on_node: int, bud
     auto = cfg.memory.offload_fraction == "auto"
     memory = dataclasses.replace(cfg.memory, offload_fraction=1.0) if auto else cfg.memory
     worst: dict[str, float] = {"total": -1.0}
-    for stage in stages_of(cfg):
+    for stage in stages_left(cfg):
         cap = math.inf
         if auto:
             besides = host_bytes_besides_offload(cfg, dims, device_type, stage.seq_len, stage.global_batch)

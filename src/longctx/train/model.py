@@ -25,8 +25,7 @@ from ..ops.pinned import pins
 from ..parallel.fsdp.shard import materialize
 from ..parallel.parallelize import parallelize, sequence_parallel_core
 from .glide import build_glide_training
-from .host_budget import counted_model, host_bytes_besides_offload
-from .stages import stages_of
+from .host_budget import counted_model, host_bytes_besides_offload, stages_left
 from .weights import load_weights
 
 
@@ -122,7 +121,7 @@ def _timing_block(cfg: Config, device: torch.device, rt: Runtime) -> Block:
 
 def auto_offload_fraction(cfg: Config, device: torch.device, rt: Runtime, log) -> float:
     """memory.offload_fraction = auto: measure (every rank, the slowest counts) and decide. With
-    train.stages, each distinct stage shape is measured and decided, and the smallest fraction
+    train.stages, each distinct shape of the stages still to run is measured and decided, and the smallest fraction
     holds for the run: one stage may have more tokens per micro-batch (host memory) or a shorter
     block forward to hide the transfers behind (the link) than the last."""
     # the ranks sharing this machine's memory: the launcher's (torchrun sets LOCAL_WORLD_SIZE), else every rank,
@@ -131,7 +130,8 @@ def auto_offload_fraction(cfg: Config, device: torch.device, rt: Runtime, log) -
     # the slowest link and the least memory over all ranks decide
     link, host = (-v for v in rt.max([-auto.host_link_bandwidth(device),
                                       -auto.host_memory_available() / ranks_per_node]))
-    shapes = sorted({(s.seq_len, s.global_batch) for s in stages_of(cfg)})
+    # (a resumed run's stages still to run: one it has passed holds no step left: host_budget.py stages_left)
+    shapes = sorted({(s.seq_len, s.global_batch) for s in stages_left(cfg)})
     chosen = [_offload_for_shape(cfg, device, rt, seq_len, global_batch, link, host)
               for seq_len, global_batch in shapes]
     fraction, reason = min(chosen, key=lambda c: c[0])

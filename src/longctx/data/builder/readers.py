@@ -24,7 +24,8 @@ byte in its first 8 KiB), invalid UTF-8, an unparsable JSON line, a record witho
 a corrupt parquet or arrow file, a corrupt compressed file (bad gzip / zstd data, a truncated
 stream, an empty file) or one that cannot be opened or read (permissions, an I/O error part-way) is
 skipped and counted under its reason, and its name is recorded (`damaged`). A .jsonl file in UTF-16 or UTF-32 is
-skipped whole, one skip, named as well; one with CR line ends (no LF in its first MiB) is split at CR (and LF).
+skipped whole, one skip, named as well (told from its start through its first non-blank line); one with CR line
+ends (no LF in its first MiB) is split at CR (and LF).
 A file found damaged part-way has already yielded the documents before the damage (a stream cannot
 take them back), but they are not to be trusted: gzip and zstd find damage only at the end of a
 block or frame (its checksum), after the text before it came out wrong. So the readers' callers
@@ -48,11 +49,11 @@ from itertools import accumulate
 from pathlib import Path
 
 from .corpus import Document
+from .line_ends import split_lines, wide_head
 from .table_readers import data_extra, import_pyarrow, iter_arrow, iter_parquet
 
 COMPRESSION_SUFFIXES = {".gz", ".zst"}
 CHUNK = 1 << 20  # bytes read (or decompressed) at a time when streaming a file
-LINE_END_LOOKAHEAD = 1 << 20  # bytes of a jsonl unit that tell its line ends (_line_end)
 _NO_RESPONSE = object()  # a plain document's record (no --response-field)
 
 
@@ -223,46 +224,6 @@ def _chunks(f, compression: str | None, path: Path) -> Iterator[bytes]:
     return _raw_chunks(f)
 
 
-def _line_end(chunks: Iterable[bytes]) -> tuple[bytes, Iterator[bytes]]:
-    """(what a jsonl unit's lines end with, its chunks): b"\\r" where its first LINE_END_LOOKAHEAD bytes (all of it,
-    if shorter) hold a CR and no LF (classic Mac OS line ends: split at LF the file was one bad line), else b"\\n"
-    (LF, CRLF; a CR before an LF is JSON white space, or a CRLF's)."""
-    chunks = iter(chunks)
-    seen, size, cr = [], 0, False
-    for chunk in chunks:
-        seen.append(chunk)
-        if b"\n" in chunk:
-            return b"\n", itertools.chain(seen, chunks)
-        size, cr = size + len(chunk), cr or b"\r" in chunk
-        if size >= LINE_END_LOOKAHEAD:
-            break
-    return (b"\r" if cr else b"\n"), itertools.chain(seen, chunks)
-
-
-def _lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
-    """Lines split at b"\\n" (without it), numbered as bytes.split(b"\\n") numbers them; in a file of CR line ends
-    (_line_end) at b"\\r", and at an LF too (a CRLF one end): an LF file whose first MiB, one line, held a CR."""
-    end, chunks = _line_end(chunks)
-    for line in _split(chunks, end):
-        if end == b"\n" or b"\n" not in line:
-            yield line
-        else:
-            yield from line.removeprefix(b"\n").split(b"\n")
-
-
-def _split(chunks: Iterable[bytes], end: bytes) -> Iterator[bytes]:
-    pending: list[bytes] = []  # the pieces of a line that spans chunks
-    for chunk in chunks:
-        parts = chunk.split(end)
-        if len(parts) > 1:
-            pending.append(parts[0])
-            yield b"".join(pending)
-            yield from parts[1:-1]
-            pending.clear()
-        pending.append(parts[-1])
-    yield b"".join(pending)
-
-
 # -- one unit --------------------------------------------------------------------------------------
 
 def _text(value, skipped: Counter, missing: str) -> str | None:
@@ -338,30 +299,18 @@ def field_value(record: dict, field: str):
 
 def jsonl_lines(f, compression: str | None, path: Path) -> Iterator[bytes]:
     """The lines of an open jsonl unit `f` (compressed by `compression`), as `_iter_jsonl` reads them."""
-    return _lines(_chunks(f, compression, path))
-
-
-def wide_encoding(head: bytes) -> str | None:
-    """"UTF-16" or "UTF-32" where a jsonl unit's first bytes `head` are in one (its byte-order mark, or without one
-    the zero bytes of an ASCII character, `{` or white space, in either byte order), else None. A UTF-8 line
-    starts with no zero byte: JSON allows none outside a string."""
-    if head.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):
-        return "UTF-32"
-    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
-        return "UTF-16"
-    zero = tuple(b == 0 for b in head[:4])
-    if zero in ((False, True, True, True), (True, True, True, False)):
-        return "UTF-32"
-    return "UTF-16" if zero in ((False, True, False, True), (True, False, True, False)) else None
+    return split_lines(_chunks(f, compression, path))
 
 
 def _iter_jsonl(lines: Iterable[bytes], name: str, fields: list[tuple], accept, skipped: Counter) -> Iterator[Document]:
-    for i, line in enumerate(lines, start=1):
-        if i == 1 and (wide := wide_encoding(line)):
-            # (read as UTF-8 each of its lines was one more bad line, thousands of them: the file, skipped whole,
-            # is one skip, named with the damaged files, that says how to convert it)
-            skipped["utf16_file" if wide == "UTF-16" else "utf32_file"] += 1
-            return
+    lines = iter(lines)
+    wide, head = wide_head(lines)
+    if wide:
+        # (read as UTF-8 each of its lines was one more bad line, thousands of them: the file, skipped whole,
+        # is one skip, named with the damaged files, that says how to convert it)
+        skipped["utf16_file" if wide == "UTF-16" else "utf32_file"] += 1
+        return
+    for i, line in enumerate(itertools.chain(head, lines), start=1):
         if not line.strip():
             continue
         # Decoded as UTF-8 here, not by json.loads, which takes bytes in UTF-16 and UTF-32 too: a UTF-16 file
@@ -404,7 +353,7 @@ def _iter_bytes_file(path: Path, name: str, fmt: str, compression: str | None, f
         chunks = _chunks(f, compression, path)
         try:
             if fmt == "jsonl":
-                yield from _iter_jsonl(_lines(chunks), name, fields, accept, skipped)
+                yield from _iter_jsonl(split_lines(chunks), name, fields, accept, skipped)
                 return
             text, why = decode(b"".join(chunks))
         except _BadCompressed:
@@ -417,7 +366,6 @@ def _iter_bytes_file(path: Path, name: str, fmt: str, compression: str | None, f
         skipped[why] += 1
     else:
         yield Document(name, text)
-
 
 
 def iter_file(path: Path, name: str, text_field: str, skipped: Counter,
