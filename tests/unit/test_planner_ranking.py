@@ -108,6 +108,6 @@ def test_a_table_times_a_small_share_of_the_plans_and_the_why_lines_are_those_of
     res = plan(req)
     res.feasible[:10]
     why_lines = why(res)
-    assert len(res.feasible) > 30_000
+    assert len(res.feasible) > 25_000  # (29,323 since each placement tries only its own window)
     assert res.timed < len(res.feasible) / 10, (res.timed, len(res.feasible))
     assert any("the best plain plan" in line for line in why_lines)

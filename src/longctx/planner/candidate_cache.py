@@ -55,23 +55,30 @@ class Caches:
         self.window_free: dict[tuple, ActivationCosts] = {}
 
 
-def policy_indices(pols: list[MemoryPolicy]) -> tuple[list[int], list[int | None]]:
-    """(each policy's index, its unchunked twin's (expert_chunk 0; None where the request has none)), an index
-    being that of the first equal policy: equal policies share one, so sets and keys of indices behave as those
-    of the (slower to hash) policies did."""
+def policy_indices(pols: list[MemoryPolicy]) -> tuple[list[int], list[int | None], list[int | None],
+                                                     list[int | None]]:
+    """(each policy's index, its twins' (None where the request has no such policy): the experts' rows whole
+    (expert_chunk 0), whole blocks (block and attention chunks 0, the core's state on the device), the whole core
+    (attention chunk 0, on the device); search.dominated), an index being that of the first equal policy: equal
+    policies share one, so sets and keys of indices behave as those of the (slower to hash) policies did."""
     first: dict[MemoryPolicy, int] = {}
     for i, p in enumerate(pols):
         first.setdefault(p, i)
     index = [first[p] for p in pols]
-    twin = [first.get(dataclasses.replace(p, expert_chunk=0)) if p.expert_chunk else None for p in pols]
-    return index, twin
+    replace = dataclasses.replace
+    twin = [first.get(replace(p, expert_chunk=0)) if p.expert_chunk else None for p in pols]
+    block = [first.get(replace(p, block_chunk=0, attention_chunk=0, attention_offload=False)) if p.block_chunk
+             else None for p in pols]
+    core = [first.get(replace(p, attention_chunk=0, attention_offload=False)) if p.attention_chunk else None
+            for p in pols]
+    return index, twin, block, core
 
 
 def may_fit(req: Request, layout: Layout, index: list[int], step_pols: list[MemoryPolicy],
             caches: Caches) -> list[int]:
     """The positions in the policy list, ascending, of the policies that may fit the layout in some tier: the
     others fail _tiers' first check (model states + activations + transient > usable) in every tier, so _tiers
-    would make nothing of them (no footprint, nothing counted, nothing for fit_whole): skipping them changes
+    would make nothing of them (no footprint, nothing counted, nothing for first_fit): skipping them changes
     nothing. A policy is skipped only when its activations + transient exceed a tier's room by a margin far
     above any rounding of the two sums (1e-6 of the bytes compared, where rounding is ~1e-16 of them)."""
     usable = req.hardware.usable_memory_bytes
@@ -91,18 +98,16 @@ def _sorted_sums(req: Request, layout: Layout, index: list[int], step_pols: list
                  tier: str) -> tuple[list[float], list[int]]:
     """(activations + transient bytes ascending, the policy positions they belong to) of every policy of the
     layout's activation group (head, ctx, window, expert, micro-batch) under `tier` (its activation dtype and
-    head_grad_bytes), but those _evaluate skips for the group's tokens before any tier (one block or attention
-    chunk) and the expert-chunked ones (may_fit keeps them all); a NaN sum as -inf (never skipped: NaN fails no
-    comparison). Kept in caches.sums: a function of the group, the dtype and head_grad_bytes alone."""
+    head_grad_bytes) but the expert-chunked ones (may_fit keeps them all); a NaN sum as -inf (never skipped: NaN
+    fails no comparison). Kept in caches.sums: a function of the group, the dtype and head_grad_bytes alone. (A
+    block or attention chunk that spans the group's tokens is summed too: it holds less than whole blocks.)"""
     s, mb = layout.shape, layout.mb
     key = (s.head, s.ctx, s.window, s.expert, s.expert_replicas, s.expert_ranks_per_node, mb, layout.dtypes[tier],
            layout.head_grads[tier])
     if key not in caches.sums:
-        tokens = mb * req.seq_len // s.sequence_degree
         pairs = []
         for i, pol in enumerate(step_pols):
-            if pol.expert_chunk or (pol.block_chunk and pol.block_chunk >= tokens) or (
-                    pol.attention_chunk and pol.attention_chunk >= tokens * s.head):
+            if pol.expert_chunk:
                 continue
             acts, transient, _ = tier_costs(req, layout, index[i], pol, caches, tier)
             total = acts.total_device + transient

@@ -240,17 +240,10 @@ def candidate_shapes(req: Request) -> list[MeshShape]:
             dp = n // (h * c)
             if req.global_batch % dp:
                 continue
-            windows = [0]
-            if c > 1 and h * c > G:  # a Double-Ring only helps when the context group leaves the node
-                for placement in ("head-first", "ctx-first"):
-                    span = h if placement == "head-first" else 1
-                    fit = [w for w in divisors(c) if 1 < w < c and span * w <= G]
-                    if fit and max(fit) not in windows:
-                        windows.append(max(fit))
             placements = ("head-first", "ctx-first") if h > 1 and c > 1 else ("head-first",)
             for r in divisors(dp):
                 for placement in placements:
-                    for w in windows:
+                    for w in double_ring_windows(h, c, G, placement):
                         for x in degrees:
                             for copies in replica_counts(req, x):
                                 for nodes in node_sizes(req.expert_ranks_per_node, x, copies):
@@ -259,6 +252,19 @@ def candidate_shapes(req: Request) -> list[MeshShape]:
                                     for s in with_zero_pp(base, G, req.settings.zero_pp_block):
                                         out += [s, *slow_link_variants(s, req.hardware, G, co2=True)]
     return out
+
+
+def double_ring_windows(h: int, c: int, gpus_per_node: int, placement: str) -> tuple[int, ...]:
+    """0 (one plain ring), and where the context group leaves the node (a Double-Ring only helps then) the largest
+    window whose inner ring fits in one node under `placement`: head-first puts a ring's ranks h apart, so w of
+    them span h x w ranks; ctx-first, w. Each placement its own: head-first with ctx-first's window was tried too,
+    its inner ring across nodes (llama3-70b on 64 x H100 at 1M listed `head2xctx32/w8 hf` 4th), against the
+    design above (tests/unit/test_plansearch_fuzz118.py)."""
+    if c < 2 or h * c <= gpus_per_node:
+        return (0,)
+    span = h if placement == "head-first" else 1
+    fit = [w for w in divisors(c) if 1 < w < c and span * w <= gpus_per_node]
+    return (0, max(fit)) if fit else (0,)
 
 
 # parallel.zero_pp tried for an FSDP group that spans nodes: ZeRO++ whole (hpz alone, exact, saves only

@@ -6,7 +6,9 @@ Branches are cut as early as their cause is known:
 - activation and transient estimates (activation_costs.rank_activations) are computed once per (head, ctx,
   micro-batch, policy) and reused for every dp split, window and placement;
 - a candidate takes the first model-state tier that fits, and its memory (cost.footprint) decides
-  whether it fits before anything about its time is computed.
+  whether it fits before anything about its time is computed;
+- a candidate never faster than a twin that fits the layout's first tier is skipped (`dominated`: expert
+  pieces, a block or attention chunk spanning all the tokens).
 
 `plan(...)` returns a `PlanResult`: every candidate that fits, ranked by step time and timed as the
 ranking is read (planner/ranking.py: its time is predicted only where it can come before the plans
@@ -197,7 +199,7 @@ def _evaluate(req: Request, keep_infeasible: bool, caches: Caches, first_only: b
     # every policy in both gradient-sync variants, in policy order, made once (not per shape and micro-batch:
     # tens of thousands of dataclass copies), each with its index (of its grad_sync step variant) and grad_sync
     by_sync = {g: [dataclasses.replace(p, grad_sync=g) for p in pols] for g in ("step", "micro_batch")}
-    index, twin = policy_indices(by_sync["step"])
+    index, *twins = policy_indices(by_sync["step"])
     in_order = {syncs: [(i, g, by_sync[g][i]) for i in range(len(pols)) for g in syncs]
                 for syncs in (("step",), ("step", "micro_batch"))}
     results: list[Footprint] = []
@@ -219,22 +221,37 @@ def _evaluate(req: Request, keep_infeasible: bool, caches: Caches, first_only: b
             order = (in_order[syncs] if keep_infeasible else
                      [(i, g, by_sync[g][i]) for i in may_fit(req, layout, index, by_sync["step"], caches)
                       for g in syncs])
-            fit_whole = set()  # (policy, grad_sync) that fit with the experts' rows whole (expert_chunk 0)
+            # (policy, grad_sync) that fit the layout's first tier, or are no faster than one that does
+            first_fit: set[tuple[int, int | None]] = set()
             for i, g, pol in order:
-                if pol.block_chunk and pol.block_chunk >= tokens:
-                    continue  # one chunk: the same as whole blocks
-                if pol.expert_chunk and (twin[i], g) in fit_whole:
-                    continue  # expert pieces only add recomputation where whole rows fit
-                if pol.attention_chunk and pol.attention_chunk >= tokens * shape.head:
-                    continue  # the core's tokens (after the head all-to-all) fit one chunk
+                if dominated(pol, i, shape.head, tokens, twins, g, first_fit):
+                    first_fit.add((index[i], g))  # (what it would rule out, its twin rules out)
+                    continue
                 kept, n = _tiers(req, layout, pol, index[i], by_sync["step"][i], caches, keep_infeasible)
                 evaluated += n
-                if kept and kept[-1].feasible and not pol.expert_chunk:
-                    fit_whole.add((index[i], g))
+                if kept and kept[-1].feasible and kept[-1].model_states == layout.tiers[0]:
+                    first_fit.add((index[i], g))
                 results += kept
                 if first_only and any(not held(req, fp.mesh_shape) for fp in kept):
                     return results, evaluated
     return results, evaluated
+
+
+def dominated(pol: MemoryPolicy, i: int, head: int, tokens: int, twins: list[list[int | None]], g: str,
+              first_fit: set) -> bool:
+    """Whether a candidate is never faster than its twin that fits the layout's first tier (first_fit), so the search
+    skips it: chunks only add recomputation to the same tier's candidate, and a later tier only adds time. Its
+    twins (policy_indices): the experts' rows whole (expert_chunk 0), whole blocks where one block chunk spans the
+    rank's tokens, the whole core where one attention chunk spans the core's (after the head all-to-all). A chunk
+    that spans the tokens is still a candidate of its own (memory/apply_policy.py runs it in parts; it holds less
+    than whole blocks): until 2026-12-07 it was never tried, and a request it alone fits was told no plan fits
+    (tests/unit/test_plansearch_fuzz118.py)."""
+    expert, block, core = twins[0][i], twins[1][i], twins[2][i]
+    if pol.expert_chunk and (expert, g) in first_fit:
+        return True
+    if pol.block_chunk and pol.block_chunk >= tokens:
+        return (block, g) in first_fit
+    return bool(pol.attention_chunk) and pol.attention_chunk >= tokens * head and (core, g) in first_fit
 
 
 def _tiers(req: Request, layout: Layout, pol: MemoryPolicy, policy: int, step_pol: MemoryPolicy, caches: Caches,
