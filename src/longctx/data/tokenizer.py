@@ -212,22 +212,38 @@ def tokenizer_digest(spec: str) -> str | None:
     except OSError:
         return None
     digest = hashlib.sha256(data)
-    config = _configured_eos(path) is not None
+    configured = _configured_eos(path)
     # (the vocabulary is worth reading only where the config may name the token, or where two candidates' strings
     # are in the file: only then may a special candidate be chosen over an earlier plain one)
-    if config or sum(t.encode() in data for t in _EOS_CANDIDATES) >= 2:
-        try:
-            tok = Tokenizer.from_file(str(path))
-        except Exception:  # (unreadable: HFTokenizer says why, where the store is built)
-            return digest.hexdigest()
-        vocab = tok.get_vocab(with_added_tokens=True)
-        eos = _eos_from_config(path, vocab) if config else None
-        if eos is not None:
-            digest.update(b"\0eos_token of tokenizer_config.json\0" + eos.encode())
-        chosen = _candidate_eos(tok, vocab)
-        if chosen != _first_candidate(vocab):  # (else its stores keep the digest they were built under)
-            digest.update(b"\0special end-of-document token\0" + chosen.encode())
+    if configured is not None or sum(t.encode() in data for t in _EOS_CANDIDATES) >= 2:
+        # (read once a process for each content: parsing a 14 MB tokenizer.json takes about a second, and Llama-3's
+        # holds two candidates; a run asks again for each stage's store, in its preflight and in the run)
+        key = (digest.hexdigest(), configured)
+        if key not in _EOS_RECORDS:
+            _EOS_RECORDS[key] = _eos_record(path, configured is not None)
+        digest.update(_EOS_RECORDS[key])
     return digest.hexdigest()
+
+
+_EOS_RECORDS: dict[tuple[str, str | None], bytes] = {}  # tokenizer_digest's: (file's sha256, config's eos) -> bytes
+
+
+def _eos_record(path: Path, config: bool) -> bytes:
+    """What tokenizer_digest adds to the file's bytes for how its end-of-document token is chosen (b"" for nothing,
+    the digest it always had)."""
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception:  # (unreadable: HFTokenizer says why, where the store is built)
+        return b""
+    vocab = tok.get_vocab(with_added_tokens=True)
+    record = b""
+    eos = _eos_from_config(path, vocab) if config else None
+    if eos is not None:
+        record += b"\0eos_token of tokenizer_config.json\0" + eos.encode()
+    chosen = _candidate_eos(tok, vocab)
+    if chosen != _first_candidate(vocab):  # (else its stores keep the digest they were built under)
+        record += b"\0special end-of-document token\0" + chosen.encode()
+    return record
 
 
 def load_tokenizer(spec: str):

@@ -387,9 +387,11 @@ def merge_scans(dirs: list[str], out: str, workers: int = 0, max_memory: int = 0
                            "max_memory": max_memory or built["max_memory"], "chat_template": rendered_by})
     check_options(opts)  # (the scans' own were checked by their builds; --workers and --max-memory are new)
     if "tokenizer_digest" in first and tokenizer_digest(opts.tokenizer) != first["tokenizer_digest"]:
-        raise DataError(f"the tokenizer file {opts.tokenizer} has changed since the scans were made (its content is "
-                        f"not what they were tokenized with); the store would record it for tokens of the other. "
-                        f"Restore that file, or scan again with this one (`longctx data build --shard i/n`).")
+        raise DataError(f"the tokenizer file {opts.tokenizer} is not what the scans were tokenized with: its content "
+                        f"has changed since they were made, or (scans made before 2026-12-07) this version of "
+                        f"longctx ends documents with another end-of-document token of it (its special one, not a "
+                        f"plain word); the store would record it for tokens of the other. Restore that file if it "
+                        f"changed, or scan again with this one (`longctx data build --shard i/n`).")
     tok = load_tokenizer(opts.tokenizer)
     with _exclusive(Path(out)):
         root, old = _open_store(opts, tok, merge=True)
