@@ -27,11 +27,16 @@ def _saved_at(tmp_path, step: int):
     return path
 
 
-def _host_total(*overrides) -> float:
+def host_total(base: list[str], *overrides) -> float:
+    """One rank's counted host bytes (train/host_budget.py rank_host_bytes) of the config `base` + `overrides`."""
     from longctx.job.checks import check_layout
     from longctx.train.host_budget import rank_host_bytes
-    cfg = load_config(None, [*DTS, *overrides])
+    cfg = load_config(None, [*base, *overrides])
     return rank_host_bytes(cfg, check_layout(cfg, 1), "cpu", 1, 1e12)["total"]
+
+
+def _host_total(*overrides) -> float:
+    return host_total(DTS, *overrides)
 
 
 def test_a_resume_past_the_schedule_is_counted_at_top_k(tmp_path):

@@ -7,6 +7,7 @@ import hashlib
 import json
 
 import pytest
+from test_leftovers118 import _saved_at, host_total
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from longctx.config import load_config
@@ -49,19 +50,8 @@ def test_digest_covers_the_end_token_only_where_the_special_first_rule_changed_i
 STAGED = ["--model.preset=debug", "--train.stages=1024:4,256:6", "--train.device=cpu", "--memory.recompute=none"]
 
 
-def _saved_at(tmp_path, step: int):
-    """A checkpoint directory whose manifest says `step` (all the count reads of it)."""
-    path = tmp_path / f"step-{step:08d}"
-    path.mkdir()
-    (path / "manifest.json").write_text(json.dumps({"format": 1, "step": step}))
-    return path
-
-
 def _host_total(*overrides) -> float:
-    from longctx.job.checks import check_layout
-    from longctx.train.host_budget import rank_host_bytes
-    cfg = load_config(None, [*STAGED, *overrides])
-    return rank_host_bytes(cfg, check_layout(cfg, 1), "cpu", 1, 1e12)["total"]
+    return host_total(STAGED, *overrides)
 
 
 def test_a_resume_past_a_longer_stage_is_counted_at_the_stages_left(tmp_path):
