@@ -9,7 +9,13 @@ the policies call `block.pre` / `block.post` and checkpoint, chunk or offload ar
 FSDP2's hooks stay on the block's own call, outside the compiled code. All blocks share one code
 object, so the compiled graph is reused across them (`inline_inbuilt_nn_modules` makes the
 parameters graph inputs, not constants); only a new token count (a last, shorter chunk of
-`memory.block_chunk`) compiles again, once, as a dynamic shape.
+`memory.block_chunk`) compiles again, once, as a dynamic shape. A MoE model compiles more graphs, all in the
+first step too: `post` once per kind of feed-forward where dense and MoE layers mix (a guard on the type of
+`feed_forward`; moe.dense_layers), and its MoE layer's code in several graphs between the parts that run eagerly
+(the routing decisions and records; the grouped GEMMs of fp32 operands, ops/grouped.py), the experts' functions
+once per weight shape (w1 and w3; w2). With a capacity (moe.capacity_factor > 0) the routed rows (dispatch,
+experts, combine) run eagerly: their number is data-dependent, and compiled, a step after the first compiled them
+again (models/moe.py `_kept_experts_of`, tests/unit/test_moe_recompile118.py).
 
 `check_compiler` runs first, before any data or model work (train/preflight.py in `longctx train`'s launcher,
 again on each rank at the Trainer's start, and at eval's): inductor builds C++ kernels on a CPU and Triton ones on

@@ -299,13 +299,25 @@ class MoEFeedForward(nn.Module):
     def _routed(self, flat: torch.Tensor, routing: Routing, shared=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The routed experts' weighted sum for every token of `flat` [T, dim], and `shared()` (None without
         shared experts), which an expert-parallel dispatcher overlaps with the rows' way back (not in a graph)."""
-        rows, counts, state = self.dispatcher.dispatch(flat, routing)
         if shared is None or not self.dispatcher.overlaps_beside() or torch.compiler.is_compiling():
             # (after the combine: their backward then runs first, before the routed rows' gradients exist)
-            out = self.experts(rows, counts, self.dispatcher)
-            return self.dispatcher.combine(out, state), None if shared is None else shared()
+            run = self._experts_of if routing.kept is None else self._kept_experts_of
+            return run(flat, routing), None if shared is None else shared()
+        rows, counts, state = self.dispatcher.dispatch(flat, routing)
         out, s = self.experts(rows, counts, self.dispatcher, beside=shared)
         return self.dispatcher.combine(out, state), s
+
+    def _experts_of(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The routed experts' weighted sum for every token of `flat` [T, dim]: dispatch, experts, combine."""
+        rows, counts, state = self.dispatcher.dispatch(flat, routing)
+        return self.dispatcher.combine(self.experts(rows, counts, self.dispatcher), state)
+
+    # Eager under train.compile with a capacity: the dispatch keeps a data-dependent number of rows (read on the
+    # host), and the compiled functions the rows reached guarded on it: static at the first count seen, a count of
+    # 0 or 1 (a dynamic size is assumed >= 2, with mark_dynamic or dynamic=True too), whether any row was dropped
+    # (the combine's and TokenRows' branches); so steps after the first compiled again
+    # (tests/unit/test_moe_recompile118.py). Without a capacity the rows are T x k, a shape of the call: compiled.
+    _kept_experts_of = eager_under_compile(_experts_of)
 
     def route(self, flat: torch.Tensor, chosen=None, kept=None) -> Routing:
         """The routing of the tokens `flat` [T, dim]: the router's, within the capacity; `chosen` and
