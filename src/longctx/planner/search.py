@@ -7,8 +7,8 @@ Branches are cut as early as their cause is known:
   micro-batch, policy) and reused for every dp split, window and placement;
 - a candidate takes the first model-state tier that fits, and its memory (cost.footprint) decides
   whether it fits before anything about its time is computed;
-- a candidate never faster than a twin that fits the layout's first tier is skipped (`dominated`: expert
-  pieces, a block or attention chunk spanning all the tokens).
+- a candidate never faster than a twin that fits the layout's first tier, holding no fewer GiB, is skipped
+  (`dominated`: expert pieces without activation offload, a block or attention chunk spanning all the tokens).
 
 `plan(...)` returns a `PlanResult`: every candidate that fits, ranked by step time and timed as the
 ranking is read (planner/ranking.py: its time is predicted only where it can come before the plans
@@ -221,16 +221,18 @@ def _evaluate(req: Request, keep_infeasible: bool, caches: Caches, first_only: b
             order = (in_order[syncs] if keep_infeasible else
                      [(i, g, by_sync[g][i]) for i in may_fit(req, layout, index, by_sync["step"], caches)
                       for g in syncs])
-            # (policy, grad_sync) that fit the layout's first tier, or are no faster than one that does
-            first_fit: set[tuple[int, int | None]] = set()
+            # (policy, grad_sync) that fit the layout's first tier, or are no faster than one that does: the GiB
+            # (_sort_key's) of the one that fits
+            first_fit: dict[tuple[int, str], int] = {}
             for i, g, pol in order:
-                if dominated(pol, i, shape.head, tokens, twins, g, first_fit):
-                    first_fit.add((index[i], g))  # (what it would rule out, its twin rules out)
+                gib = dominated(pol, i, shape.head, tokens, twins, g, first_fit)
+                if gib is not None and _first_tier_gib(req, layout, pol, index[i], by_sync["step"][i], caches) >= gib:
+                    first_fit[index[i], g] = gib  # (what it would rule out, its twin rules out)
                     continue
                 kept, n = _tiers(req, layout, pol, index[i], by_sync["step"][i], caches, keep_infeasible)
                 evaluated += n
                 if kept and kept[-1].feasible and kept[-1].model_states == layout.tiers[0]:
-                    first_fit.add((index[i], g))
+                    first_fit[index[i], g] = _gib(kept[-1].memory["total"])
                 results += kept
                 if first_only and any(not held(req, fp.mesh_shape) for fp in kept):
                     return results, evaluated
@@ -238,20 +240,39 @@ def _evaluate(req: Request, keep_infeasible: bool, caches: Caches, first_only: b
 
 
 def dominated(pol: MemoryPolicy, i: int, head: int, tokens: int, twins: list[list[int | None]], g: str,
-              first_fit: set) -> bool:
-    """Whether a candidate is never faster than its twin that fits the layout's first tier (first_fit), so the search
-    skips it: chunks only add recomputation to the same tier's candidate, and a later tier only adds time. Its
-    twins (policy_indices): the experts' rows whole (expert_chunk 0), whole blocks where one block chunk spans the
-    rank's tokens, the whole core where one attention chunk spans the core's (after the head all-to-all). A chunk
-    that spans the tokens is still a candidate of its own (memory/apply_policy.py runs it in parts; it holds less
-    than whole blocks): until 2026-12-07 it was never tried, and a request it alone fits was told no plan fits
-    (tests/unit/test_plansearch_fuzz118.py)."""
+              first_fit: dict) -> int | None:
+    """The GiB (as _sort_key rounds them) of a twin that fits the layout's first tier (first_fit) and that the
+    candidate is never faster than, or None: chunks only add recomputation to the same tier's candidate, and a later
+    tier only adds time. Its twins (policy_indices): the experts' rows whole (expert_chunk 0) where no activations
+    are offloaded (expert pieces offload fewer bytes: qwen3-30b-a3b on 8 x H100 at 16K, selective+off0.25 in pieces
+    takes 1.858 s, whole rows 2.180 s), whole blocks where one block chunk spans the rank's tokens, the whole core
+    where one attention chunk spans the core's (after the head all-to-all). A chunk that spans the tokens is still a
+    candidate of its own (memory/apply_policy.py runs it in parts; it holds less than whole blocks): until
+    2026-12-07 it was never tried, and a request it alone fits was told no plan fits
+    (tests/unit/test_plansearch_fuzz118.py). The search skips it only where it holds no fewer GiB than the twin
+    (_sort_key breaks a tie of step times by them; tests/unit/test_review118d.py)."""
     expert, block, core = twins[0][i], twins[1][i], twins[2][i]
-    if pol.expert_chunk and (expert, g) in first_fit:
-        return True
+    if pol.expert_chunk and not pol.offload_fraction and (expert, g) in first_fit:
+        return first_fit[expert, g]
     if pol.block_chunk and pol.block_chunk >= tokens:
-        return (block, g) in first_fit
-    return bool(pol.attention_chunk) and pol.attention_chunk >= tokens * head and (core, g) in first_fit
+        return first_fit.get((block, g))
+    if pol.attention_chunk and pol.attention_chunk >= tokens * head:
+        return first_fit.get((core, g))
+    return None
+
+
+def _gib(total: float) -> int:
+    """GiB as _sort_key rounds a plan's memory (a tie of step times goes to fewer)."""
+    return round(total / 2**30)
+
+
+def _first_tier_gib(req: Request, layout: Layout, pol: MemoryPolicy, policy: int, step_pol: MemoryPolicy,
+                    caches: Caches) -> int:
+    """A candidate's GiB (_gib) in the layout's first tier, from its activations alone (its footprint's total, as
+    _tiers checks it), for dominated's twin: in a later tier it comes after the twin whatever it holds."""
+    tier = layout.tiers[0]
+    entry = layout.rows[tier].get(policy) or tier_costs(req, layout, policy, step_pol, caches, tier)
+    return _gib(device_total(req, layout, pol, tier, entry[0], entry[1]))
 
 
 def _tiers(req: Request, layout: Layout, pol: MemoryPolicy, policy: int, step_pol: MemoryPolicy, caches: Caches,
