@@ -100,7 +100,9 @@ TRANSIENT_CASES = {
     "full-offload-chunks": (MemoryPolicy("full", 1.0, 0, loss_chunk=512, block_chunk=512, attention_chunk=512), 1.3),
     "full-expert-chunk": (MemoryPolicy("full", loss_chunk=512, expert_chunk=1024), 1.3),
     "selective-chunks": (MemoryPolicy("selective", loss_chunk=512, block_chunk=512, attention_chunk=512), 1.3),
-    "selective-offload": (MemoryPolicy("selective", 0.5, 1, loss_chunk=512), 1.3),
+    # (1.35: since c32a9f42 the routed rows are freed before the shared experts run, not after; the count still
+    # holds them alive through the shared experts' forward, 1.304x the measured with shared experts)
+    "selective-offload": (MemoryPolicy("selective", 0.5, 1, loss_chunk=512), 1.35),
     # (as the dense selective-offload-chunks case of test_autocast_transients.py)
     "selective-offload-chunks": (MemoryPolicy("selective", 0.5, 1, loss_chunk=512, block_chunk=512,
                                               attention_chunk=512), 1.6),
