@@ -103,13 +103,15 @@ def run_shape(cfg: Config, dims) -> MeshShape:
 
 
 def _stage_bytes(cfg: Config, dims, device_type: str, seq_len: int, global_batch: int, memory,
-                 offload_cap: float = math.inf) -> tuple[dict[str, float], dict[str, float]]:
-    """(device bytes, host bytes) of one rank in one stage shape, under the [memory] settings `memory`."""
+                 offload_cap: float = math.inf, model: ModelConfig | None = None,
+                 ) -> tuple[dict[str, float], dict[str, float]]:
+    """(device bytes, host bytes) of one rank in one stage shape, under the [memory] settings `memory`; `model`:
+    counted_model(cfg), given where a caller counts several shapes (it reads the resume's manifests)."""
     shape = run_shape(cfg, dims)
     fp32 = not computes_in_bf16(cfg.train.dtype, device_type, start_cuda=False)  # (run by the launcher)
     micro_batch = max(1, global_batch // cfg.train.grad_accum // shape.dp)
     device, host = predicted_rank_bytes(
-        counted_model(cfg), shape, MemoryPolicy.from_config(memory), cfg.memory.model_states, seq_len=seq_len,
+        model or counted_model(cfg), shape, MemoryPolicy.from_config(memory), cfg.memory.model_states, seq_len=seq_len,
         micro_batch=micro_batch, grad_accum=cfg.train.grad_accum, dtype_bytes=4 if fp32 else 2,
         doc_mask=cfg.data.doc_mask, async_checkpoint=cfg.checkpoint.async_save, offload_cap=offload_cap,
         bucket_blocks=max(1, cfg.parallel.grad_bucket_blocks), co2_momentum=cfg.train.co2_outer_momentum > 0,
@@ -132,11 +134,11 @@ def counted_model(cfg: Config) -> ModelConfig:
     return from_step(cfg.model, resume_step(cfg))
 
 
-def stages_left(cfg: Config) -> list[Stage]:
+def stages_left(cfg: Config, step: int | None = None) -> list[Stage]:
     """The train.stages stages whose steps are still to run from resume_step (the last stage where none is): what
     the host budget and memory.offload_fraction auto (train/model.py) count. A resume past a longer stage is not
     counted at it, an over-count that refused a run or chose more offload than it needs."""
-    step, stages = resume_step(cfg), stages_of(cfg)
+    step, stages = resume_step(cfg) if step is None else step, stages_of(cfg)
     return [s for s in stages if s.last_step > step] or stages[-1:]
 
 
@@ -200,12 +202,13 @@ def draft_states(cfg: Config, shape: MeshShape, pinned: bool) -> tuple[float, di
                                                                     "checkpoint_staging": staging}
 
 
-def host_bytes_besides_offload(cfg: Config, dims, device_type: str, seq_len: int, global_batch: int) -> float:
+def host_bytes_besides_offload(cfg: Config, dims, device_type: str, seq_len: int, global_batch: int,
+                               model: ModelConfig | None = None) -> float:
     """One rank's host bytes other than its offloaded activations (the model-state tier's states, the
     attention core's per-chunk extras, checkpoint staging, the data loader) in one stage shape: what
     memory.offload_fraction = auto's share of host memory must hold besides the activations it offloads."""
     _, host = _stage_bytes(cfg, dims, device_type, seq_len, global_batch,
-                           dataclasses.replace(cfg.memory, offload_fraction=0.0))
+                           dataclasses.replace(cfg.memory, offload_fraction=0.0), model=model)
     return host["total"] - host["activations"]
 
 
@@ -219,12 +222,14 @@ def rank_host_bytes(cfg: Config, dims, device_type: str, ranks_on_node: int, bud
     auto = cfg.memory.offload_fraction == "auto"
     memory = dataclasses.replace(cfg.memory, offload_fraction=1.0) if auto else cfg.memory
     worst: dict[str, float] = {"total": -1.0}
-    for stage in stages_left(cfg):
+    step = resume_step(cfg)  # (once: it reads the resume's manifests)
+    model = from_step(cfg.model, step)
+    for stage in stages_left(cfg, step):
         cap = math.inf
         if auto:
-            besides = host_bytes_besides_offload(cfg, dims, device_type, stage.seq_len, stage.global_batch)
+            besides = host_bytes_besides_offload(cfg, dims, device_type, stage.seq_len, stage.global_batch, model)
             cap = max(0.0, AUTO_SHARE * budget / max(1, ranks_on_node) - besides)
-        device, host = _stage_bytes(cfg, dims, device_type, stage.seq_len, stage.global_batch, memory, cap)
+        device, host = _stage_bytes(cfg, dims, device_type, stage.seq_len, stage.global_batch, memory, cap, model)
         parts = {k: v for k, v in host.items() if k != "total"}
         if device_type == "cpu":
             parts[CPU_DEVICE] = one_memory_bytes(cfg.model, run_shape(cfg, dims), cfg.memory.model_states, device,

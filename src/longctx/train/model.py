@@ -19,13 +19,14 @@ from ..job.devices import resolve_dtype
 from ..job.runtime import Runtime
 from ..memory import auto  # (module attributes, so tests can stand in for the machine's measurements)
 from ..memory.accounting import activation_dtype
+from ..memory.peak_routing import from_step
 from ..memory.policy import MemoryPolicy
 from ..models.llama import Block, Llama, build_model, rope_cos_sin, rope_inv_freq
 from ..ops.pinned import pins
 from ..parallel.fsdp.shard import materialize
 from ..parallel.parallelize import parallelize, sequence_parallel_core
 from .glide import build_glide_training
-from .host_budget import counted_model, host_bytes_besides_offload, stages_left
+from .host_budget import counted_model, host_bytes_besides_offload, resume_step, stages_left
 from .weights import load_weights
 
 
@@ -131,8 +132,10 @@ def auto_offload_fraction(cfg: Config, device: torch.device, rt: Runtime, log) -
     link, host = (-v for v in rt.max([-auto.host_link_bandwidth(device),
                                       -auto.host_memory_available() / ranks_per_node]))
     # (a resumed run's stages still to run: one it has passed holds no step left: host_budget.py stages_left)
-    shapes = sorted({(s.seq_len, s.global_batch) for s in stages_left(cfg)})
-    chosen = [_offload_for_shape(cfg, device, rt, seq_len, global_batch, link, host)
+    step = resume_step(cfg)  # (once: it reads the resume's manifests)
+    shapes = sorted({(s.seq_len, s.global_batch) for s in stages_left(cfg, step)})
+    model = from_step(cfg.model, step)
+    chosen = [_offload_for_shape(cfg, device, rt, seq_len, global_batch, link, host, model)
               for seq_len, global_batch in shapes]
     fraction, reason = min(chosen, key=lambda c: c[0])
     if len(shapes) > 1:
@@ -142,9 +145,11 @@ def auto_offload_fraction(cfg: Config, device: torch.device, rt: Runtime, log) -
     return fraction
 
 
-def _offload_for_shape(cfg: Config, device: torch.device, rt: Runtime, seq_len: int,
-                       global_batch: int, link_bytes_per_s: float, host_bytes_per_rank: float) -> tuple[float, str]:
-    d, t = rt.dims, cfg.train
+def _offload_for_shape(cfg: Config, device: torch.device, rt: Runtime, seq_len: int, global_batch: int,
+                       link_bytes_per_s: float, host_bytes_per_rank: float, model=None) -> tuple[float, str]:
+    """offload_fraction auto's choice in one stage shape; `model`: cfg.model as the run's steps left count it
+    (train/host_budget.py counted_model), given by a caller that counts several shapes."""
+    d, t, model = rt.dims, cfg.train, model or counted_model(cfg)
     local_batch, local_seq = global_batch // (t.grad_accum * rt.dp), seq_len // (d.head * d.ctx)
     x = torch.randn(local_batch, local_seq, cfg.model.dim, device=device)
     positions = torch.arange(local_seq, device=device).expand(local_batch, local_seq)
@@ -157,14 +162,14 @@ def _offload_for_shape(cfg: Config, device: torch.device, rt: Runtime, seq_len: 
         block_s = auto.measured_block_forward_seconds(_timing_block(cfg, device, rt), x, cos, sin, None)
     block_s = rt.max([block_s])[0]  # the slowest block decides
     return auto.choose_offload_fraction(
-        counted_model(cfg), seq_len, local_batch, head=d.head, ctx=d.ctx, skip_last=cfg.memory.offload_skip_last,
+        model, seq_len, local_batch, head=d.head, ctx=d.ctx, skip_last=cfg.memory.offload_skip_last,
         dtype_bytes=act_bytes, autocast=autocast,
         block_seconds=block_s, link_bytes_per_s=link_bytes_per_s,
         host_bytes_per_rank=host_bytes_per_rank, expert=d.expert,
         expert_replicas=cfg.parallel.expert_replicas if d.expert > 1 else 0,
         expert_ranks_per_node=cfg.parallel.expert_ranks_per_node if d.expert > 1 else 0,
         # (the model-state tier's states, staging and the loader share the rank's host memory with the offload)
-        host_bytes_taken=host_bytes_besides_offload(cfg, rt.dims, device.type, seq_len, global_batch),
+        host_bytes_taken=host_bytes_besides_offload(cfg, rt.dims, device.type, seq_len, global_batch, model),
         # (the run's other [memory] settings put bytes on the host too: attention_offload's core state)
         policy=MemoryPolicy.from_config(dataclasses.replace(cfg.memory, offload_fraction=0.0)),
         pinned=pins(device))
