@@ -19,6 +19,7 @@ from .. import strict_json
 from ..durable import publish
 from ..errors import ConfigError, UserError
 from .output_paths import partial_path
+from .row_text import CONTEXT_TOKENS, continuation_text, from_character, poisoned_run, prompt_context, text_after
 
 
 class ReaderGone(UserError):
@@ -55,6 +56,11 @@ class StopStrings:
                                   f"--stop {inside[0]!r} on its own (a row then ends when that token is generated).")
         self.window = 4 * max((len(s) for s in self.stops), default=0) + 4
         self.contexts: list = []  # each row's prompt_context (`rows`; None for no prompt): its text is read after it
+        # a row's last tokens known to lie in a run a stray byte poisons: row -> (its token list, run start, checked
+        # up to); ids that extend such a run (byte tokens; special ones, which decode leaves out, join a run)
+        self.runs: dict[int, tuple[list, int, int]] = {}
+        self.run_ids = set(getattr(tokenizer, "fallback_bytes", dict)()) | set(special.values())
+        self.fffd = any("\ufffd" in s for s in self.stops)
 
     def rows(self, prompts: list, samples: int = 1) -> None:
         """The prompts (their ids) of the rows checked next, prompt-major with `samples` rows each, as the decode
@@ -63,6 +69,7 @@ class StopStrings:
         100K byte tokens cost each of a row's first checks that walk, about 70 ms)."""
         contexts = [prompt_context(self.tokenizer, ids) if len(ids) else None for ids in prompts]
         self.contexts = [context for context in contexts for _ in range(samples)]
+        self.runs = {}
 
     def __call__(self, row: int, tokens: list[int]) -> bool:
         if tokens and tokens[-1] in self.stop_ids:
@@ -70,8 +77,34 @@ class StopStrings:
         context = self.contexts[row] if row < len(self.contexts) else None
         # a match is read again with the byte runs a stray byte poisons as the row reads them (`exact`: a walk
         # over the run, paid only here, not every token of a long run of byte tokens)
-        return bool(self.stops) and any(s in self.tail(tokens, context) for s in self.stops) and \
-            any(s in self.tail(tokens, context, exact=True) for s in self.stops)
+        if not self.stops or not any(s in self.tail(tokens, context) for s in self.stops):
+            return False
+        # a last token inside a poisoned run adds one U+FFFD (or, special, nothing) to the row's text and turns no
+        # earlier character into another: a stop string without U+FFFD cannot end there. Known without the walk
+        # that `exact` pays, which in a long run the cheap tail matches at every token (a stop string among bytes
+        # the row has as U+FFFD): 8,000 such tokens took 15 s of checks, now 0.2 s
+        if not self.fffd and self._in_poisoned_run(row, tokens):
+            return False
+        return any(s in self.tail(tokens, context, exact=True) for s in self.stops)
+
+    def _in_poisoned_run(self, row: int, tokens: list[int]) -> bool:
+        """Whether the row's last token lies in a run of byte tokens that a stray byte poisons (row_text's
+        poisoned_run). Remembered for the row's own token list, which the decode loop appends to: a run stays
+        poisoned as it grows (its invalid byte is not its last, or poisoned_run would not say so), so a long run
+        is walked once, then each token only asks whether it extends the run. Not a run that reaches the row's
+        first token: the prompt's last bytes may begin its characters (a prompt ending in <0xE6> and a row
+        beginning <0x80><0x80> read as one character), which only the exact tail, read after the prompt, sees."""
+        n = len(tokens)
+        held, first, end = self.runs.get(row, (None, 0, 0))
+        if held is tokens and 0 < first < end <= n and all(int(t) in self.run_ids for t in tokens[end:]):
+            self.runs[row] = (tokens, first, n)
+            return True
+        first = poisoned_run(self.tokenizer, tokens, n - 1, n) if n else None
+        if not first:  # (None, or a run from the row's first token)
+            self.runs.pop(row, None)
+            return False
+        self.runs[row] = (tokens, first, n)
+        return True
 
     def tail(self, tokens: list[int], context=None, exact: bool = False) -> str:
         """The text of the last tokens of `tokens`, enough of them to hold any stop string the last one ends;
@@ -84,7 +117,9 @@ class StopStrings:
                 return text_after(self.tokenizer, context, tokens)
             # (begun on a character, not inside one: see from_character)
             start, text = from_character(self.tokenizer, tokens, max(0, len(tokens) - n), len(tokens), exact)
-            if start == 0 and context:  # (a run of byte tokens back to the row's start: as the line reads it)
+            if context and (start == 0 or exact and self._joins_prompt_run(context, tokens, start)):
+                # (a run of byte tokens back to the row's start, or one the prompt's last bytes begin, which may
+                # poison it for the row's decoding though its own bytes are valid: as the line reads it)
                 return text_after(self.tokenizer, context, tokens)
             if n >= len(tokens):
                 return text
@@ -93,6 +128,12 @@ class StopStrings:
             if len(text) - last >= self.window:
                 return text
             n *= 2
+
+    def _joins_prompt_run(self, context, tokens: list[int], start: int) -> bool:
+        """Whether tokens[start] lies in a run of byte tokens that begins in the prompt (its context's last id one):
+        a prompt ending in a stray <0xE6> has the row's first bytes, valid on their own, as U+FFFD."""
+        ids = context[0]
+        return bool(ids) and int(ids[-1]) in self.run_ids and all(int(t) in self.run_ids for t in tokens[:start + 1])
 
     def cut(self, text: str) -> str:
         found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
@@ -205,95 +246,6 @@ def safe_end(text: str, stops: list[str], start: int = 0, end: int | None = None
                 safe = min(safe, end - n)
                 break
     return safe
-
-
-CONTEXT_TOKENS = 8  # the prompt's last ids that --echo decodes a continuation after
-
-
-def from_character(tokenizer, ids, start: int, end: int, exact: bool = False) -> tuple[int, str]:
-    """(s, the text of ids[s:end]) begun on a character as the row's own decoding reads it: the first s of
-    start..start + 3 whose text does not begin with U+FFFD (inside a character), else (start, its text); start 0
-    is the row's own beginning, kept; and, `exact`, a start in a run of byte tokens that a stray byte poisons
-    moves back to the run's first token (_poisoned_run: a walk over the run, so the stop check asks it only to
-    confirm a match).
-
-    Why: a byte-fallback decoder (tokenizer.json's ByteFallback: Llama's, Mistral's) decodes a run of
-    byte tokens that is not valid UTF-8 as one U+FFFD per byte, so a decoding begun inside a character
-    turns the whole run into U+FFFD, the complete characters after it too: text the row's decoding does
-    not hold (a stop string in the run went unseen; the stream showed U+FFFD for the characters). A
-    character is at most 4 bytes, so one of the next 3 starts is a character's first byte. Where the row's
-    decoding has the run as U+FFFD itself (a stray byte in it), skipping showed the run's later characters,
-    text the row never holds: a stop string matched there ended a row whose line lacks it."""
-    poisoned = _poisoned_run(tokenizer, ids, start, end) if exact else None
-    if poisoned is not None:  # (its U+FFFD are the row's own: nothing to skip)
-        return poisoned, tokenizer.decode(ids[poisoned:end])
-    first = tokenizer.decode(ids[start:end])
-    if start == 0 or not first.startswith("\ufffd"):
-        return start, first
-    for s in range(start + 1, min(start + 4, end)):
-        if exact and _poisoned_run(tokenizer, ids, s, end) is not None:
-            break  # (the U+FFFD are a poisoned run's, begun after `start`: the row's own)
-        text = tokenizer.decode(ids[s:end])
-        if not text.startswith("\ufffd"):
-            return s, text
-    return start, first
-
-
-def _poisoned_run(tokenizer, ids, start: int, end: int) -> int | None:
-    """Where ids[start] lies in a run of a ByteFallback decoder's byte tokens (up to `end`) that a byte before
-    its last character makes invalid UTF-8 (a stray byte), the run's first token: the row's decoding has the
-    whole run as U+FFFD, so no start inside it, on a character or not, reads it as the row does. None
-    otherwise, and for a run invalid only for a character its last bytes have not finished: that one decodes
-    as U+FFFD from any start (a long run of byte tokens, a script the vocabulary lacks, is then not decoded
-    whole each step)."""
-    table = getattr(tokenizer, "fallback_bytes", dict)()  # {id: byte}; {} for other decoders
-    if not table or not 0 <= start < end:
-        return None
-    # (special tokens, which decode leaves out before the decoder runs, join the byte tokens around them in a run)
-    silent = set(getattr(tokenizer, "special_tokens", dict)().values())
-
-    def in_run(i: int) -> bool:
-        return int(ids[i]) in table or int(ids[i]) in silent
-
-    if not in_run(start):
-        return None
-    first, last = start, start
-    while first > 0 and in_run(first - 1):
-        first -= 1
-    while last < end and in_run(last):
-        last += 1
-    try:
-        bytes(table[int(i)] for i in ids[first:last] if int(i) in table).decode("utf-8")
-    except UnicodeDecodeError as e:
-        return None if e.reason == "unexpected end of data" else first
-    return None
-
-
-def prompt_context(tokenizer, prompt_ids) -> tuple[list[int], str]:
-    """(the prompt's last ids a continuation is decoded after, their text): up to CONTEXT_TOKENS, begun on a
-    character, or further back at the first token of a run of byte tokens a stray byte poisons (from_character,
-    `exact`): begun inside such a run, its ids decoded as text that the prompt's own decoding has as U+FFFD, and
-    the line's text was the run's later bytes as characters where decode(prompt + tokens) less decode(prompt)
-    has U+FFFD."""
-    n = len(prompt_ids)
-    start, head = from_character(tokenizer, prompt_ids, max(0, n - CONTEXT_TOKENS), n, exact=True)
-    return [int(t) for t in prompt_ids[start:]], head
-
-
-def continuation_text(tokenizer, prompt_ids, tokens) -> str:
-    """The text `tokens` add after a prompt ending in `prompt_ids`, as transformers' text-generation
-    pipeline gives it (the whole decoded, less the prompt's decoding). Decoded alone, a SentencePiece
-    decoder (Llama-2, Mistral: its Strip) drops the first space: '▁time' is 'time', and prompt +
-    that reads 'Once upon atime'. Plain decoding when the prompt's text is not a prefix of the whole
-    (a character split across the boundary)."""
-    return text_after(tokenizer, prompt_context(tokenizer, prompt_ids), tokens)
-
-
-def text_after(tokenizer, context: tuple[list[int], str], tokens) -> str:
-    """continuation_text of a prompt whose prompt_context is `context` (found once per prompt)."""
-    ids, head = context
-    whole = tokenizer.decode([*ids, *tokens])
-    return whole[len(head):] if ids and whole.startswith(head) else tokenizer.decode(tokens)
 
 
 class Output:
