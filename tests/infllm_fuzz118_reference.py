@@ -26,6 +26,25 @@ import torch
 GRID = 2.0 ** -12
 
 
+def hf_rope(cfg, head_dim: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, factor on cos and sin) of llama3 or yarn RoPE scaling by transformers'
+    ROPE_INIT_FUNCTIONS, from the config's fields as docs/running.md names them (not from the model)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = dict(rope_type=cfg.rope_scaling, factor=cfg.rope_factor,
+                   original_max_position_embeddings=cfg.rope_original_max_len)
+    if cfg.rope_scaling == "llama3":
+        scaling.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor)
+    else:
+        scaling.update(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow, truncate=cfg.rope_truncate)
+    hf = LlamaConfig(hidden_size=cfg.heads * head_dim, num_attention_heads=cfg.heads, head_dim=head_dim,
+                     rope_theta=cfg.rope_theta, rope_scaling=scaling,
+                     max_position_embeddings=int(cfg.rope_original_max_len * cfg.rope_factor))
+    inv, factor = ROPE_INIT_FUNCTIONS[cfg.rope_scaling](hf, "cpu")
+    return inv.double(), float(factor)
+
+
 class Ref64:
     """The model's forward in float64. `ratios` [layers, kv] (Ms-PoE) or None."""
 
@@ -37,8 +56,8 @@ class Ref64:
         self.scale = 1.0  # YaRN's factor on cos and sin: 0.1 ln(factor) + 1
         if cfg.rope_scaling == "linear":
             self.inv = self.inv / cfg.rope_factor
-        elif cfg.rope_scaling == "yarn":  # (its frequencies are the model's: InfLLM's use of them is audited here)
-            self.inv, self.scale = model.inv_freq.double(), 0.1 * math.log(cfg.rope_factor) + 1.0
+        elif cfg.rope_scaling in ("llama3", "yarn"):  # (transformers' own frequencies and cos/sin factor)
+            self.inv, self.scale = hf_rope(cfg, self.hd)
         elif cfg.rope_scaling != "none":
             raise ValueError(f"the reference has no rope_scaling {cfg.rope_scaling!r}")
         self.ratios = None if ratios is None else torch.as_tensor(ratios, dtype=torch.float64)

@@ -3,7 +3,8 @@ the float32 model against tests/infllm_fuzz118_reference.py, a float64 plain-PyT
 words (its own RoPE, the units, representatives, top-k and positions laid out per query).
 
 - InfLLM (models/context_memory.py through generate/context_memory.py's backend): random shapes (GQA, head_dim,
-  RoPE base and scaling none / linear / yarn, q/k/v biases, q/k norms, tied head), block, repr, topk, init, window,
+  RoPE base and scaling none / linear / yarn / llama3 (their frequencies by transformers), q/k/v biases, q/k
+  norms, tied head), block, repr, topk, init, window,
   placement, prefill chunk; prompts past the memory's start by 0 and 1 token,
   1 block, many blocks, not multiples of the block; 1 or 2 rows (the memory takes rows of one length: rows of
   different lengths are refused). Every prefill chunk's logits at every position and each greedy decode step's
@@ -11,7 +12,7 @@ words (its own RoPE, the units, representatives, top-k and positions laid out pe
   and the keys one call reads the reference's count, at most init + topk x block + window + block - 1; every
   distance a query sees below the shape's positions_needed, which the length guard (check_reach) holds to.
 - Sharded over 2 ctx ranks (generate/sharded_infllm.py, a spawned gloo job: slow): one process's greedy tokens.
-- Ms-PoE (models/ms_poe.py), plain, linear and yarn RoPE: the ratios of both orders (index; attention, the probe
+- Ms-PoE (models/ms_poe.py), plain, linear, yarn and llama3 RoPE: the ratios of both orders (index; attention, the probe
   written out again) and the logits of a full forward and of cached decoding against per-head scaled RoPE."""
 
 import dataclasses
@@ -49,8 +50,9 @@ def _case(seed):
     cfg = ModelConfig(dim=rnd.choice([32, 48]), layers=rnd.choice([1, 2]), heads=heads, kv_heads=kv,
                       head_dim=rnd.choice([8, 12, 16]), ffn_dim=64, vocab_size=61, init_std=0.3,
                       rope_theta=rnd.choice([10000.0, 500.0]),
-                      rope_scaling=rnd.choice(["none", "none", "linear", "yarn"]),
-                      rope_factor=rnd.choice([2.0, 4.0]), qkv_bias=rnd.random() < 0.3, qk_norm=rnd.random() < 0.3,
+                      rope_scaling=rnd.choice(["none", "none", "linear", "yarn", "llama3"]),
+                      rope_factor=rnd.choice([2.0, 4.0]), rope_original_max_len=rnd.choice([16, 32, 8192]),
+                      qkv_bias=rnd.random() < 0.3, qk_norm=rnd.random() < 0.3,
                       tie_embeddings=rnd.random() < 0.3)
     block = rnd.choice([2, 3, 4, 5])
     shape = InfLLMShape(block=block, repr=rnd.randint(1, block), topk=rnd.randint(1, 4),
@@ -216,7 +218,9 @@ MS_POE = [dict(kv_heads=4, heads=8, rope_ms_poe_order="attention", rope_ms_poe_s
           dict(kv_heads=3, heads=6, rope_ms_poe_order="attention", rope_ms_poe_skip_layers=1, layers=2,
                rope_scaling="linear", rope_factor=2.0),
           dict(kv_heads=2, heads=4, rope_ms_poe_order="index", rope_ms_poe_skip_layers=0, layers=1,
-               rope_scaling="yarn", rope_factor=4.0, rope_original_max_len=32)]
+               rope_scaling="yarn", rope_factor=4.0, rope_original_max_len=32),
+          dict(kv_heads=2, heads=4, rope_ms_poe_order="attention", rope_ms_poe_skip_layers=1, layers=2,
+               rope_scaling="llama3", rope_factor=4.0, rope_original_max_len=16)]
 
 
 @pytest.mark.parametrize("case", range(len(MS_POE)))
