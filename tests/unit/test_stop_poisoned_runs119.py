@@ -21,23 +21,10 @@ import pytest
 pytest.importorskip("tokenizers")
 
 from test_generate_audit2_stop_byte_runs import PIECES, _llama_like  # noqa: E402
+from test_review118b import _Counting  # noqa: E402
 
 from longctx.generate.output import StopStrings  # noqa: E402
 from longctx.generate.row_text import continuation_text  # noqa: E402
-
-
-class _Counted:
-    """The tokenizer, counting the ids it decodes."""
-
-    def __init__(self, tok):
-        self.tok, self.decoded = tok, 0
-
-    def __getattr__(self, name):
-        return getattr(self.tok, name)
-
-    def decode(self, ids):
-        self.decoded += len(ids)
-        return self.tok.decode(ids)
 
 
 def _checked(stops: StopStrings, tokens: list[int]) -> int | None:
@@ -52,7 +39,7 @@ def _checked(stops: StopStrings, tokens: list[int]) -> int | None:
 
 def test_a_long_poisoned_run_costs_each_token_a_bounded_decoding(tmp_path):
     tok, ids = _llama_like(tmp_path / "tokenizer.json")
-    counted = _Counted(tok)
+    counted = _Counting(tok)
     run = 4000
     tokens = [ids["Answer:"], 0xE6, *[0x0A] * run]  # a stray byte, then a run of newlines the row has as U+FFFD
     stops = StopStrings(counted, ["\n\n"])
