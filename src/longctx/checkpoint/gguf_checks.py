@@ -20,6 +20,22 @@ class GGUFImportError(UserError, ValueError):
     exit_code = 2
 
 
+def check_architecture(arch: str, path: Path) -> None:
+    """Refuse an architecture the installed `gguf` package has no tensor names for: transformers' reader maps a
+    file's tensors through them and raised NotImplementedError (a traceback) only once loading had begun. A file
+    stating `mistral` is one: llama.cpp writes Mistral models as `llama`, and gguf-py has no `mistral`."""
+    from importlib.metadata import version
+
+    import gguf
+
+    if arch not in set(gguf.MODEL_ARCH_NAMES.values()):
+        raise GGUFImportError(f"{path.name} states general.architecture = {arch!r}, which the installed gguf package "
+                              f"({version('gguf')}) has no tensor names for, so "
+                              f"transformers' GGUF reader cannot read its tensors. llama.cpp writes Llama-style "
+                              f"models (Mistral's too) as 'llama': convert the model again with llama.cpp's "
+                              f"convert_hf_to_gguf.py, or use its Hugging Face release (hf:DIR).")
+
+
 def check_rope(reader, arch: str, path: Path) -> None:
     """Refuse RoPE scaling that transformers' GGUF reader does not carry into config.json: the model
     would load, with other frequencies than it was trained with."""
@@ -57,12 +73,8 @@ def check_filled(reader, config, arch: str, path: Path) -> None:
     without hyperparameters reads as a 32-layer Llama of 6.6B parameters) and finds the weights missing
     only after building that model in fp32 (26 GB, minutes). Refuse a file whose tensors hold fewer values
     than the model its metadata describes has parameters, counted on the meta device (no memory)."""
-    import transformers
-
-    try:
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
-    except (ValueError, TypeError, RuntimeError, NotImplementedError):  # (load_model's own check follows)
+    model = _meta_model(config)
+    if model is None:  # (load_model's own check follows)
         return
     need = sum(p.numel() for p in model.parameters())
     have = sum(int(t.n_elements) for t in reader.tensors)
@@ -134,3 +146,57 @@ def processed_shape(config, arch: str, name: str, shape: tuple[int, ...]) -> tup
         return None
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     return tuple(processor.process(weights=np.zeros(shape, np.float32), name=name).weights.shape)
+
+
+def _meta_model(config):
+    """transformers' model of `config` on the meta device (shapes, no memory); None when it cannot build one."""
+    import transformers
+
+    try:
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(config)
+    except (ValueError, TypeError, RuntimeError, NotImplementedError):
+        return None
+
+
+def check_tensors(reader, config, arch: str, path: Path) -> None:
+    """Refuse a file whose tensors are not the ones its metadata's model has, naming them: a tensor of another shape
+    failed inside transformers (a RuntimeError pointing at its load report) after every weight was dequantized, and
+    a missing one was refused only by the parameter count of check_filled, which names no tensor. Tensors are
+    matched through transformers' own name map; experts stacked in one tensor (MoE) are left to load_model."""
+    try:
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            get_gguf_hf_weights_map,
+        )
+    except ImportError:
+        return
+    model = _meta_model(config)
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    if model is None or getattr(processor, "GGUF_MOE_WEIGHTS_PATTERN", None) is not None:
+        return
+    try:
+        mapped = get_gguf_hf_weights_map(model, processor)
+    except NotImplementedError:
+        return
+    want = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    wrong, found = [], set()
+    for t in reader.tensors:
+        hf = mapped.get(t.name)
+        if hf not in want:
+            continue
+        found.add(hf)
+        stored = tuple(int(n) for n in reversed(t.shape))  # (GGUF lists dimensions fastest first)
+        if stored != want[hf]:
+            wrong.append(f"{t.name} {stored} where {hf} is {want[hf]}")
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    names = {hf: name for name, hf in mapped.items()}
+    missing = [names.get(hf, hf) for hf in want if hf not in found and hf not in tied]
+    if wrong or missing:
+        said = "; ".join(filter(None, [wrong and f"has {len(wrong)} tensor(s) of another shape than its metadata's "
+                                                 f"model: {', '.join(wrong[:4])}",
+                                       missing and f"lacks {len(missing)} tensor(s): {', '.join(missing[:4])}"]))
+        raise GGUFImportError(f"{path.name} {said}. The file is damaged or its metadata does not describe it: "
+                              f"download or convert the model again (llama.cpp's convert_hf_to_gguf.py), or use "
+                              f"its Hugging Face release (hf:DIR).")

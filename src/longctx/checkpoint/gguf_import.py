@@ -14,7 +14,7 @@ reader would drop without a word (a `rope_freqs` tensor: Llama 3.1-style factors
 keys and the older `rope.scale_linear`, which llama.cpp applies with no type key too), metadata that
 does not describe the file's tensors (transformers would fill what it lacks with its defaults), sizes
 its reader takes from its config classes instead of the file (a qwen3 head size, qwen2_moe and qwen3_moe
-expert sizes) and a shared-expert gate shape it would misread. After
+expert sizes), a shared-expert gate shape it would misread, and a tensor missing or of another shape (named). After
 writing, longctx loads the directory and its logits are compared with transformers' on the same
 weights, so an import that longctx would read differently is never renamed into place.
 The directory is written under a temporary name beside DIR and renamed when complete.
@@ -39,10 +39,12 @@ from ..models.hf import config_from_hf, load_hf
 from ..progress import phase, say
 from .gguf_checks import (  # noqa: F401  (GGUFImportError: imported from here too)
     GGUFImportError,
+    check_architecture,
     check_filled,
     check_rope,
     check_shared_gate,
     check_sizes_read,
+    check_tensors,
 )
 
 # what transformers needs to read a GGUF: the file format (gguf) and its loading hooks (accelerate)
@@ -234,7 +236,9 @@ def longctx_difference(directory: Path, tokens: torch.Tensor, reference: torch.T
     return (load_hf(directory)(tokens).float() - reference).abs().max().item()
 
 
-def write_tokenizer(path: Path, directory: Path) -> tuple[list[str], str]:
+def write_tokenizer(path: Path, directory: Path, file_tokens: int | None = None) -> tuple[list[str], str]:
+    """Save the tokenizer the file describes into `directory`: (files written, why none were). `file_tokens`: how
+    many tokens the file lists (tokenizer.ggml.tokens), the ids a tokenizer of it may give."""
     import transformers
 
     try:
@@ -245,7 +249,32 @@ def write_tokenizer(path: Path, directory: Path) -> tuple[list[str], str]:
                     f"tokenizer.json to longctx generate, or copy the model's tokenizer files into the directory")
     before = {p.name for p in directory.iterdir()}
     tokenizer.save_pretrained(directory)
+    if file_tokens is not None:
+        drop_invented_tokens(directory, file_tokens)
     return sorted({p.name for p in directory.iterdir()} - before), ""
+
+
+def drop_invented_tokens(directory: Path, file_tokens: int) -> None:
+    """Remove the added tokens that transformers' GGUF reader invents past the file's vocabulary: its byte-level
+    (gpt2) tokenizer adds GPT-2's `<|endoftext|>` as id `file_tokens` when the file does not list it (a Llama 3
+    file, say). The model has no embedding row for that id, so the text "<|endoftext|>" crashed it (index out of
+    range) and training refused the tokenizer as larger than model.vocab_size."""
+    import json
+
+    tokenizer = directory / "tokenizer.json"
+    if not tokenizer.is_file():
+        return
+    spec = json.loads(tokenizer.read_text(encoding="utf-8"))
+    invented = {t["content"] for t in spec.get("added_tokens", []) if t["id"] >= file_tokens}
+    if not invented:
+        return
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["id"] < file_tokens]
+    tokenizer.write_text(json.dumps(spec, ensure_ascii=False, indent=2), encoding="utf-8")
+    settings = directory / "tokenizer_config.json"
+    if settings.is_file():  # (a bos / eos / unk / pad token named as an invented one names none)
+        config = json.loads(settings.read_text(encoding="utf-8"))
+        config = {k: (None if isinstance(v, str) and v in invented else v) for k, v in config.items()}
+        settings.write_text(json.dumps(config, ensure_ascii=False, indent=2), encoding="utf-8")
 
 
 def import_gguf(source: str | Path, out: str | Path, dtype: str = "auto", force: bool = False) -> ImportResult:
@@ -259,11 +288,13 @@ def import_gguf(source: str | Path, out: str | Path, dtype: str = "auto", force:
     check_output(out, path, force)
     require_packages()
     reader, arch = read_header(path)
+    check_architecture(arch, path)
     check_rope(reader, arch, path)
     check_disk(reader, out, dtype)
     config = read_config(path)
     check_sizes_read(reader, config, arch, path)
     check_shared_gate(reader, config, arch, path)
+    check_tensors(reader, config, arch, path)
     check_filled(reader, config, arch, path)
     stored: dict[str, int] = {}
     for t in reader.tensors:
@@ -282,7 +313,8 @@ def import_gguf(source: str | Path, out: str | Path, dtype: str = "auto", force:
                 reference = model(tokens).logits.float()
             model.to(DTYPES[chosen]).save_pretrained(work)
             del model
-            copied, note = write_tokenizer(path, work)
+            listed = reader.fields.get("tokenizer.ggml.tokens")
+            copied, note = write_tokenizer(path, work, len(listed.data) if listed is not None else None)
             gc.collect()  # one model at a time: transformers' is freed before longctx's is read
             diff = longctx_difference(work, tokens, reference)
         bound = 1e-3 * max(1.0, reference.abs().max().item())  # a wrong read differs by ~the logits' size
