@@ -79,14 +79,22 @@ def check_filled(reader, config, arch: str, path: Path) -> None:
     need = sum(p.numel() for p in model.parameters())
     have = sum(int(t.n_elements) for t in reader.tensors)
     if need > have:
-        keys = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count", "context_length")
-        lacks = [f"{arch}.{k}" for k in keys if f"{arch}.{k}" not in reader.fields]
-        lacking = f"; it lacks {', '.join(lacks)}, which transformers fills with its defaults" if lacks else ""
         raise GGUFImportError(f"{path.name}'s metadata does not describe its tensors: as transformers reads it, it is "
-                              f"a model of {need:,} parameters ({config.num_hidden_layers} layers, hidden size "
-                              f"{config.hidden_size}, vocabulary {config.vocab_size:,}), and the file holds {have:,} "
-                              f"values{lacking}. Convert the model again with llama.cpp's convert_hf_to_gguf.py, or "
-                              f"use its Hugging Face release (hf:DIR).")
+                              f"a model of {need:,} parameters ({_sizes(config)}), and the file holds {have:,} "
+                              f"values{_defaults_note(reader, arch)}. Convert the model again with llama.cpp's "
+                              f"convert_hf_to_gguf.py, or use its Hugging Face release (hf:DIR).")
+
+
+def _sizes(config) -> str:
+    return (f"{config.num_hidden_layers} layers, hidden size {config.hidden_size}, "
+            f"vocabulary {config.vocab_size:,}")
+
+
+def _defaults_note(reader, arch: str) -> str:
+    """The size keys the metadata lacks, which transformers fills with its config class's defaults."""
+    keys = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count", "context_length")
+    lacks = [f"{arch}.{k}" for k in keys if f"{arch}.{k}" not in reader.fields]
+    return f"; it lacks {', '.join(lacks)}, which transformers fills with its defaults" if lacks else ""
 
 
 # sizes that transformers' GGUF reader takes from its config class for some families whatever the file says:
@@ -197,6 +205,7 @@ def check_tensors(reader, config, arch: str, path: Path) -> None:
         said = "; ".join(filter(None, [wrong and f"has {len(wrong)} tensor(s) of another shape than its metadata's "
                                                  f"model: {', '.join(wrong[:4])}",
                                        missing and f"lacks {len(missing)} tensor(s): {', '.join(missing[:4])}"]))
-        raise GGUFImportError(f"{path.name} {said}. The file is damaged or its metadata does not describe it: "
-                              f"download or convert the model again (llama.cpp's convert_hf_to_gguf.py), or use "
-                              f"its Hugging Face release (hf:DIR).")
+        raise GGUFImportError(f"{path.name}'s metadata does not describe its tensors: as transformers reads it "
+                              f"({_sizes(config)}{_defaults_note(reader, arch)}), the file {said}. The file is "
+                              f"damaged or its metadata incomplete: download or convert the model again (llama.cpp's "
+                              f"convert_hf_to_gguf.py), or use its Hugging Face release (hf:DIR).")
