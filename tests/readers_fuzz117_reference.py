@@ -114,18 +114,26 @@ def _value(v, docs, skipped, name):
 
 def _wide(raw: bytes) -> str | None:
     """The UTF-16 / UTF-32 a .jsonl file starts in (docs/data.md: skipped whole, counted once, named), by its
-    byte-order mark or, without one, its first character's zero bytes."""
+    byte-order mark (UTF-8's says UTF-8) or, without one, where its start reads in one as JSON: white space, then
+    `{` or `[`, no U+0000, and at least 4 ASCII characters."""
+    if raw.startswith(codecs.BOM_UTF8):
+        return None
     if raw.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):
         return "utf32_file"
     if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         return "utf16_file"
-    zeros = [b == 0 for b in raw[:4]]
-    return {(False, True, False, True): "utf16_file", (True, False, True, False): "utf16_file",
-            (False, True, True, True): "utf32_file", (True, True, True, False): "utf32_file"}.get(tuple(zeros))
+    for kind, codec, unit in (("utf32_file", "utf-32-le", 4), ("utf32_file", "utf-32-be", 4),
+                              ("utf16_file", "utf-16-le", 2), ("utf16_file", "utf-16-be", 2)):
+        text = raw[:4096 // unit * unit][:len(raw) // unit * unit].decode(codec, "replace")
+        body = text.lstrip(" \t\r\n")
+        if body[:1] in ("{", "[") and "\x00" not in text[:len(text) - len(body) + 16] and sum(
+                c < "\x80" for c in text[:len(text) - len(body) + 16]) >= 4:
+            return kind
+    return None
 
 
 def _jsonl(raw: bytes, name: str, docs, skipped, damaged=None):
-    if wide := _wide(raw.split(b"\n")[0]):
+    if wide := _wide(raw):
         skipped[wide] = skipped.get(wide, 0) + 1
         if damaged is not None:
             damaged.append(name)
@@ -134,10 +142,10 @@ def _jsonl(raw: bytes, name: str, docs, skipped, damaged=None):
     cr = b"\r" in head and b"\n" not in head
     lines = [q for p in raw.split(b"\r") for q in p.removeprefix(b"\n").split(b"\n")] if cr else raw.split(b"\n")
     for i, line in enumerate(lines, start=1):
+        if line.startswith(b"\xef\xbb\xbf"):  # (before the blank test: a BOM before a blank line, files joined)
+            line = line[3:]
         if not line.strip():
             continue
-        if line.startswith(b"\xef\xbb\xbf"):
-            line = line[3:]
         try:
             line = line.decode("utf-8")
         except UnicodeDecodeError:  # (also UTF-16 / UTF-32, which json.loads would take from bytes)

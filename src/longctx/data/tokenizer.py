@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -213,16 +214,41 @@ def tokenizer_digest(spec: str) -> str | None:
         return None
     digest = hashlib.sha256(data)
     configured = _configured_eos(path)
-    # (the vocabulary is worth reading only where the config may name the token, or where two candidates' strings
-    # are in the file: only then may a special candidate be chosen over an earlier plain one)
-    if configured is not None or sum(t.encode() in data for t in _EOS_CANDIDATES) >= 2:
-        # (read once a process for each content: parsing a 14 MB tokenizer.json takes about a second, and Llama-3's
-        # holds two candidates; a run asks again for each stage's store, in its preflight and in the run)
-        key = (digest.hexdigest(), configured)
-        if key not in _EOS_RECORDS:
-            _EOS_RECORDS[key] = _eos_record(path, configured is not None)
-        digest.update(_EOS_RECORDS[key])
+    # (read once a process for each content: parsing a 14 MB tokenizer.json takes about a second, and Llama-3's
+    # holds two candidates; a run asks again for each stage's store, in its preflight and in the run. The search
+    # for candidates too: where the file escapes their characters it reads the escapes, ~0.3 s for 10 MB)
+    key = (digest.hexdigest(), configured)
+    if key not in _EOS_RECORDS:
+        # (the vocabulary is worth reading only where the config may name the token, or where two candidates'
+        # strings are in the file: only then may a special candidate be chosen over an earlier plain one)
+        chosen = configured is not None or _candidates_in(data) >= 2
+        _EOS_RECORDS[key] = _eos_record(path, configured is not None) if chosen else b""
+    digest.update(_EOS_RECORDS[key])  # (b"": the digest a tokenizer always had, sha256 of its file)
     return digest.hexdigest()
+
+
+def _escapes(ch: str) -> list[str]:
+    """Regular expressions of the ways a JSON string may escape the ASCII character `ch`: \\uXXXX (hex digits in
+    either case), '/' also \\/. JSON writers other than the tokenizers library's escape '<' and '>' (Go's) or '/'
+    (PHP's); any character may be."""
+    hex_digits = "".join(f"[{d}{d.upper()}]" if d.isalpha() else d for d in f"{ord(ch):04x}")
+    return [r"\\u" + hex_digits] + ([r"\\/"] if ch == "/" else [])
+
+
+# an escape of a character of the candidates, anywhere in a file
+_CANDIDATE_ESCAPE = re.compile("|".join(e for c in sorted(set("".join(_EOS_CANDIDATES))) for e in _escapes(c)).encode())
+
+
+def _candidates_in(data: bytes) -> int:
+    """How many of _EOS_CANDIDATES a tokenizer.json's bytes may hold (as its strings or inside other text: only a
+    parse tells which are tokens, so at least as many as it holds): a byte search for each, where the file escapes
+    one of their characters in the bytes with those escapes read (each escape is one backslash, never a match's
+    end: none is missed; one after an escaped backslash is read too, a count too many at worst). Not the raw bytes
+    alone: '<|endoftext|>' written "\\u003c|endoftext|\\u003e", or '</s>' "<\\/s>", was not found, so a choice
+    the rule of 7f273663 changed was not recorded and a store built before it was taken for a new one."""
+    if _CANDIDATE_ESCAPE.search(data) is not None:  # (the tokenizers library escapes none of them: rare)
+        data = _CANDIDATE_ESCAPE.sub(lambda m: b"/" if m[0] == b"\\/" else bytes([int(m[0][2:], 16)]), data)
+    return sum(t.encode() in data for t in _EOS_CANDIDATES)
 
 
 _EOS_RECORDS: dict[tuple[str, str | None], bytes] = {}  # tokenizer_digest's: (file's sha256, config's eos) -> bytes

@@ -4,10 +4,10 @@ to pass, instead of advice to point --input at other data."""
 
 from __future__ import annotations
 
-import json
+from collections import Counter
 
 from .inputs import input_files
-from .readers import field_value, jsonl_lines, unit_format
+from .readers import field_value, jsonl_lines, jsonl_records, unit_format
 
 RECORDS = 20  # records read for the fields they have
 NAMES = 12  # field names shown at most
@@ -17,8 +17,9 @@ _FIELD_SKIPS = {"missing_text_field": ("--text-field", "document text"),
 
 
 def _first_records(inputs: list[str], limit: int = RECORDS) -> list[dict]:
-    """Up to `limit` JSON objects from the first lines of the inputs' .jsonl units (best effort: what cannot be
-    read gives none)."""
+    """Up to `limit` JSON objects from the first lines of the inputs' .jsonl units, read as the build reads them
+    (readers.jsonl_records: a UTF-16 / UTF-32 unit gives none, a line is UTF-8; json.loads of a line's bytes took
+    UTF-16 too, and named fields the build never read). Best effort: what cannot be read gives none."""
     records: list[dict] = []
     for spec in inputs:
         try:
@@ -26,17 +27,13 @@ def _first_records(inputs: list[str], limit: int = RECORDS) -> list[dict]:
         except Exception:  # noqa: BLE001 (a hint: the input was read by the build already)
             continue
         for path in files:
-            if unit_format(path)[0] != "jsonl":
+            fmt, compression = unit_format(path)
+            if fmt != "jsonl":
                 continue
             try:
                 with open(path, "rb") as f:
-                    for line in jsonl_lines(f, unit_format(path)[1], path):
-                        try:
-                            record = json.loads(line)
-                        except ValueError:
-                            continue
-                        if isinstance(record, dict):
-                            records.append(record)
+                    for _, record in jsonl_records(jsonl_lines(f, compression, path), Counter()):
+                        records.append(record)
                         if len(records) >= limit:
                             return records
             except Exception:  # noqa: BLE001 (a corrupt or unreadable unit: counted by the build already)

@@ -1,8 +1,10 @@
 """A .jsonl unit's lines: where they end (LF, CRLF, or CR alone: classic Mac OS) and whether the unit is in UTF-16 or
-UTF-32 (skipped whole by readers.py, which reads the lines)."""
+UTF-32 (skipped whole by readers.py, which reads the lines; by its byte-order mark, or without one where its start
+reads as JSON in it)."""
 
 from __future__ import annotations
 
+import codecs
 import itertools
 from collections.abc import Iterable, Iterator
 
@@ -49,30 +51,57 @@ def _split(chunks: Iterable[bytes], end: bytes) -> Iterator[bytes]:
     yield b"".join(pending)
 
 
+# UTF-16 and UTF-32 in either byte order, as a head without a byte-order mark is tried (they exclude each other: a
+# UTF-32 text read as UTF-16 holds U+0000, a UTF-16 one read as UTF-32 no valid code point, one order the other's
+# ASCII as characters past U+00FF)
+_WIDE = (("UTF-32", "utf-32-le"), ("UTF-32", "utf-32-be"), ("UTF-16", "utf-16-le"), ("UTF-16", "utf-16-be"))
+GUESS_UNITS = 4  # ASCII code units (each a zero byte where the encoding puts it) a guess without a mark needs
+HEAD_BYTES = 64  # bytes past a unit's leading blank lines that wide_head reads the encoding from
+_BLANK = b" \t\r\n\x00"  # a blank line's bytes in any of the encodings: white space and its zero bytes
+
+
 def wide_encoding(head: bytes) -> str | None:
-    """"UTF-16" or "UTF-32" where a jsonl unit's first bytes `head` are in one (its byte-order mark, or without one
-    the zero bytes of an ASCII character, `{` or white space, in either byte order), else None. A UTF-8 line
-    starts with no zero byte: JSON allows none outside a string."""
-    if head.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):
+    """"UTF-16" or "UTF-32" where a jsonl unit's first bytes `head` are in one, else None (UTF-8: its lines are
+    read, a bad one counted as such). A byte-order mark decides (UTF-8's too: None). Without one, a guess only where
+    the head reads in that encoding (either byte order) as JSON text: white space, then `{` or `[`, no U+0000 (JSON
+    allows none, nor a UTF-8 line any zero byte), and at least GUESS_UNITS ASCII characters, each with its zero
+    bytes in place. Not the first bytes' zero pattern alone: b"X\\0\\0\\0" is 'X' in UTF-32LE or 'X' U+0000
+    in UTF-16LE, and b"\\0\\n\\0\\n{" a UTF-8 file led by NUL lines (its records were lost, skipped as UTF-16)."""
+    if head.startswith(codecs.BOM_UTF8):  # (the rules below give None too: its bytes read as no `{` in any of them)
+        return None
+    if head.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):  # (UTF-16LE's mark starts UTF-32LE's)
         return "UTF-32"
-    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         return "UTF-16"
-    zero = tuple(b == 0 for b in head[:4])
-    if zero in ((False, True, True, True), (True, True, True, False)):
-        return "UTF-32"
-    return "UTF-16" if zero in ((False, True, False, True), (True, False, True, False)) else None
+    if b"\x00" not in head:  # (every ASCII character of UTF-16 / UTF-32 has a zero byte)
+        return None
+    return next((name for name, codec in _WIDE if _json_start(head, codec)), None)
+
+
+def _json_start(head: bytes, codec: str) -> bool:
+    try:  # (not final: a character that the head cuts is left out, not an error)
+        text = codecs.getincrementaldecoder(codec)("strict").decode(head)
+    except UnicodeDecodeError:
+        return False
+    return (text.lstrip(" \t\r\n")[:1] in ("{", "[") and "\x00" not in text
+            and sum(c < "\x80" for c in text) >= GUESS_UNITS)
 
 
 def wide_head(lines: Iterator[bytes]) -> tuple[str | None, list[bytes]]:
-    """(wide_encoding of a jsonl unit's start through its first non-blank line, within its first
+    """(wide_encoding of a jsonl unit's first HEAD_BYTES bytes past its leading blank lines, within its first
     LINE_END_LOOKAHEAD bytes, the lines read). Not its first line alone: a UTF-16 file whose first line is blank
-    starts that line with its newline's other byte (b"" or b"\\x00"), too short to tell (one bad line a line)."""
+    starts that line with its newline's other byte (b"" or b"\\x00"), too short to tell (one bad line a line);
+    nor its first non-blank line alone: one of 2 characters, `{}`, is too short to guess from."""
     read: list[bytes] = []
-    size = 0
-    for line in lines:  # (white space and its zero bytes: a blank line in any of the encodings)
+    size, lead = 0, None  # (lead: the bytes before the first non-blank byte, once it is read)
+    for line in lines:
+        if lead is None and line.strip(_BLANK):
+            lead = size + len(line) - len(line.lstrip(_BLANK))
         read.append(line)
         size += len(line) + 1
-        if line.strip(b" \t\r\n\x00") or size >= LINE_END_LOOKAHEAD:
+        if (lead is not None and size >= lead + HEAD_BYTES) or size >= LINE_END_LOOKAHEAD:
             break
-    # (each b"\n" the split took out put back: only which bytes are zero tells, and no line end is a zero byte)
-    return wide_encoding(b"\n".join([*read[:-1], read[-1][:8]]) if read else b""), read
+    # (each b"\n" the split took out put back: the head's bytes as they are in the file, which a decoder reads; each
+    # line cut first, so that a long one is not copied whole)
+    cut = LINE_END_LOOKAHEAD if lead is None else lead + HEAD_BYTES
+    return wide_encoding(b"\n".join(line[:cut] for line in read)[:cut]), read

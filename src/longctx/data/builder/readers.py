@@ -24,8 +24,9 @@ byte in its first 8 KiB), invalid UTF-8, an unparsable JSON line, a record witho
 a corrupt parquet or arrow file, a corrupt compressed file (bad gzip / zstd data, a truncated
 stream, an empty file) or one that cannot be opened or read (permissions, an I/O error part-way) is
 skipped and counted under its reason, and its name is recorded (`damaged`). A .jsonl file in UTF-16 or UTF-32 is
-skipped whole, one skip, named as well (told from its start through its first non-blank line); one with CR line
-ends (no LF in its first MiB) is split at CR (and LF).
+skipped whole, one skip, named as well (told from its start, blank lines and the 64 bytes after them: a byte-order
+mark, or without one a start that reads as JSON in it, line_ends.wide_encoding); one with CR line ends (no LF in
+its first MiB) is split at CR (and LF). A UTF-8 BOM at a line's start is dropped (files joined: `cat a b`).
 A file found damaged part-way has already yielded the documents before the damage (a stream cannot
 take them back), but they are not to be trusted: gzip and zstd find damage only at the end of a
 block or frame (its checksum), after the text before it came out wrong. So the readers' callers
@@ -63,7 +64,7 @@ SKIP_REASONS = {
     "empty": "empty",                            # no text, or whitespace only
     "binary": "binary",                          # a NUL byte in the first 8 KiB
     "invalid_utf8": "not UTF-8",                 # also a JSON string "\ud800" (a lone surrogate)
-    # a .jsonl file in UTF-16 / UTF-32 (a byte-order mark, or an ASCII start's zero bytes): skipped whole, counted once
+    # a .jsonl file in UTF-16 / UTF-32 (a byte-order mark, or a JSON start in it): skipped whole, counted once
     "utf16_file": "UTF-16 .jsonl file (convert it to UTF-8: iconv -f UTF-16 -t UTF-8 IN > OUT; without a "
                   "byte-order mark -f UTF-16LE, or -f UTF-16BE where its first byte is 0)",
     "utf32_file": "UTF-32 .jsonl file (convert it to UTF-8: iconv -f UTF-32 -t UTF-8 IN > OUT; without a "
@@ -302,7 +303,10 @@ def jsonl_lines(f, compression: str | None, path: Path) -> Iterator[bytes]:
     return split_lines(_chunks(f, compression, path))
 
 
-def _iter_jsonl(lines: Iterable[bytes], name: str, fields: list[tuple], accept, skipped: Counter) -> Iterator[Document]:
+def jsonl_records(lines: Iterable[bytes], skipped: Counter) -> Iterator[tuple[int, dict]]:
+    """(line number from 1, record) of a jsonl unit's lines, each JSON object a line holds; what is no record is
+    counted into `skipped`, and a unit in UTF-16 or UTF-32 (wide_head) is one skip and gives none. The build's
+    reading and the missing-field hint's (field_hint.py) are this one."""
     lines = iter(lines)
     wide, head = wide_head(lines)
     if wide:
@@ -311,24 +315,32 @@ def _iter_jsonl(lines: Iterable[bytes], name: str, fields: list[tuple], accept, 
         skipped["utf16_file" if wide == "UTF-16" else "utf32_file"] += 1
         return
     for i, line in enumerate(itertools.chain(head, lines), start=1):
+        # A UTF-8 BOM at a line's start (a file's start, or where files were concatenated, the second saved with
+        # one) is dropped before the line is read, a blank one too; anywhere else it is no JSON (a bad line). A
+        # UTF-16 / UTF-32 one there is no UTF-8: that line and those after it in that encoding are bad lines.
+        line = line.removeprefix(b"\xef\xbb\xbf")
         if not line.strip():
             continue
         # Decoded as UTF-8 here, not by json.loads, which takes bytes in UTF-16 and UTF-32 too: a UTF-16 file
         # gave its first line as a document (split at b"\n", the lines after it are misaligned) and the rest
-        # as bad JSON. A UTF-8 BOM (a file's start, or where files were concatenated) is dropped.
+        # as bad JSON.
         try:
-            text = line[3:].decode("utf-8") if line.startswith(b"\xef\xbb\xbf") else line.decode("utf-8")
+            text = line.decode("utf-8")
         except UnicodeDecodeError:
             skipped["invalid_utf8"] += 1
             continue
         try:
             record = json.loads(text)
         except ValueError:
-            skipped["bad_json_line"] += 1
-            continue
+            record = None
         if not isinstance(record, dict):
             skipped["bad_json_line"] += 1
             continue
+        yield i, record
+
+
+def _iter_jsonl(lines: Iterable[bytes], name: str, fields: list[tuple], accept, skipped: Counter) -> Iterator[Document]:
+    for i, record in jsonl_records(lines, skipped):
         doc = accept([field_value(record, f) for f, _, _ in fields], f"{name}:{i}", skipped)
         if doc is not None:
             yield doc
