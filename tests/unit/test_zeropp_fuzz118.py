@@ -9,7 +9,8 @@ plus, where the scale is subnormal (a block under 127 x fp32's smallest normal),
 Random sizes (under one block, one block, whole blocks, a partial last one), block sizes (1 .. 512), gather dtypes
 (fp32, bf16) and values (zero blocks, one huge outlier, subnormals, negative-only, constant blocks, exact ties,
 nan / inf); qwZ's dequantisation as its hook runs it (rows of every rank's shard into FSDP's buffer) and qgZ's
-exchange (the rows a rank receives, dequantised and summed); eager kernels everywhere, compiled for two cases.
+exchange (the rows a rank receives, dequantised and summed in float64); eager kernels everywhere, compiled for two
+cases.
 tests/distributed/test_zeropp_fuzz118_ranks.py runs the hooks over 4 ranks against the same reference."""
 
 from __future__ import annotations
@@ -47,25 +48,34 @@ DISTRIBUTIONS = ("normal", "block magnitudes", "zero blocks", "outlier", "subnor
 
 
 def ref_quantize(x, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """The flat values `x` (read as fp32) -> (int8 levels [blocks, block], fp32 scales [blocks]). Levels of a
-    non-finite block are whatever the cast makes of nan: only its dequantised values are specified (non-finite)."""
-    x = np.asarray(torch.as_tensor(x).float().reshape(-1).numpy(), np.float32)
+    """The flat values `x` (read as fp32; float64 ones, qgZ's node sums, as they are) -> (int8 levels [blocks,
+    block], fp32 scales [blocks]). A float64 block's scale is its largest magnitude / 127 rounded once to fp32,
+    uncapped, and each value is divided in float64, the quotient rounded to fp32. A nan quotient (a non-finite
+    block) is level 0, so that the block comes back nan (docs)."""
+    x = torch.as_tensor(x)
+    wide = x.dtype == torch.float64
+    work = np.float64 if wide else np.float32
+    x = np.asarray((x if wide else x.float()).reshape(-1).numpy(), work)
     blocks = -(-x.size // block)
-    padded = np.zeros(blocks * block, np.float32)
+    padded = np.zeros(blocks * block, work)
     padded[:x.size] = x
     rows = padded.reshape(blocks, block)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         biggest = np.abs(rows).max(axis=1) if blocks else np.zeros(0, np.float32)  # (numpy's max keeps a nan)
-        scale = (biggest / LEVELS).astype(np.float32)
-        scale = np.where(np.isinf(scale), scale, np.minimum(scale, MAX_SCALE)).astype(np.float32)  # (nan stays)
-        levels = np.clip(np.rint(rows / np.where(scale > 0, scale, np.float32(1))[:, None]), -127, 127)
+        scale = (biggest / work(LEVELS)).astype(np.float32)
+        if not wide:
+            scale = np.where(np.isinf(scale), scale, np.minimum(scale, MAX_SCALE)).astype(np.float32)  # (nan stays)
+        safe = np.where(scale > 0, scale, np.float32(1)).astype(work)
+        levels = np.clip(np.rint((rows / safe[:, None]).astype(np.float32)), -127, 127)
     return np.where(np.isfinite(levels), levels, 0).astype(np.int8), scale
 
 
 def ref_dequantize(levels: np.ndarray, scale: np.ndarray, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """The first `n` values of ref_quantize's blocks, level x scale in fp32, then in the gather dtype."""
+    """The first `n` values of ref_quantize's blocks, level x scale in fp32, then in the gather dtype (float64:
+    qgZ's sums, level x scale in float64, exact)."""
+    work = np.float64 if dtype == torch.float64 else np.float32
     with np.errstate(invalid="ignore", over="ignore"):
-        values = (levels.astype(np.float32) * scale[:, None]).reshape(-1)[:n]
+        values = (levels.astype(work) * scale.astype(work)[:, None]).reshape(-1)[:n]
     return torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
 
 
@@ -141,9 +151,8 @@ def check_blocks(x: torch.Tensor, block: int, dtype: torch.dtype, compiled: bool
     finite = np.isfinite(want_scale)
     assert q.dtype == torch.int8 and q.numel() == want_q.size and scale.dtype == torch.float32
     assert same(scale, torch.from_numpy(want_scale)), "scales: not the block's largest magnitude / 127"
-    got_q = q.view(-1, block).numpy()
-    assert np.array_equal(got_q[finite], want_q[finite]), \
-        f"levels differ at {np.argwhere(got_q[finite] != want_q[finite])[:4].tolist()}"
+    got_q = q.view(-1, block).numpy()  # (a non-finite block's too: level 0 for a nan quotient)
+    assert np.array_equal(got_q, want_q), f"levels differ at {np.argwhere(got_q != want_q)[:4].tolist()}"
     back = dequantize_blocks(q, scale, x.numel(), dtype)
     assert back.dtype == dtype and same(back, ref_dequantize(want_q, want_scale, x.numel(), dtype))
     ok = torch.from_numpy(finite).repeat_interleave(block)[:x.numel()]  # (a non-finite block: below)
@@ -249,15 +258,15 @@ def exchange(rows: torch.Tensor, block: int, compiled: bool) -> torch.Tensor:
 
 
 def ref_exchange(rows: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the k rows, each through its own int8 blocks, summed in float64; the bound on that sum's error against
-    the exact sum of the rows: each summand's half step). One row is sent as it is."""
+    """(the k rows, each through its own int8 blocks, dequantised and summed in float64; the bound on that sum's
+    error against the exact sum of the rows: each summand's half step). One row is sent as it is."""
     k, m = rows.shape
     if k == 1:
         return rows[0].double(), torch.zeros(m, dtype=torch.float64)
     total, bound = torch.zeros(m, dtype=torch.float64), torch.zeros(m, dtype=torch.float64)
     for row in rows:
         levels, scale = ref_quantize(row, block)
-        total += ref_dequantize(levels, scale, m, torch.float32).double()
+        total += ref_dequantize(levels, scale, m, torch.float64)
         bound += ref_bound(row, scale, block, torch.float32)
     return total, bound
 
@@ -266,8 +275,8 @@ def check_exchange(rows: torch.Tensor, block: int, compiled: bool) -> None:
     got = exchange(rows, block, compiled)
     want, bound = ref_exchange(rows, block)
     ok = want.isfinite()
-    assert got.shape == (rows.shape[1],) and got.dtype == torch.float32
-    # the same summands as the reference, summed in fp32 (k of them: an order's rounding apart)
+    assert got.shape == (rows.shape[1],) and got.dtype == torch.float64  # (no partial sum overflows fp32)
+    # the same summands as the reference, summed in float64 (k of them: an order's rounding apart, within fp32's)
     terms = rows.double().abs().sum(0) + bound
     assert torch.all((got.double() - want)[ok].abs() <= (rows.shape[0] * 2.0 ** -23 * terms)[ok] + 1e-45)
     exact = rows.double().sum(0)

@@ -40,18 +40,30 @@ def _largest_scale() -> float:
 
 
 _MAX_SCALE = _largest_scale()
+# at least any fp32 scale of a block of magnitudes up to fp32's largest (qgZ's rounding band: saturate)
+_STEP_BOUND = torch.finfo(torch.float32).max / _LEVELS * (1 + 2.0 ** -20)
 
 
 def _quantize_rows(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """blocks [..., block] -> (int8 [..., block], fp32 scale [...]: each block's largest magnitude / 127)."""
-    blocks = blocks.float()
-    scale = torch.maximum(blocks.amax(dim=-1), -blocks.amin(dim=-1)) / _LEVELS  # (no |x| copy: one read)
-    # a finite block within an fp32 ulp of fp32's largest value: its scale rounded up, 127 x it overflowed, and
-    # the finite value came back inf (the step's guard then skipped it). Capped, it comes back within an ulp; an
-    # inf keeps its inf scale (and a nan its nan), so a non-finite block still comes back non-finite
-    scale = torch.where(scale.isinf(), scale, scale.clamp(max=_MAX_SCALE))
+    """blocks [..., block] -> (int8 [..., block], fp32 scale [...]: each block's largest magnitude / 127).
+    float64 blocks are qgZ's node sums (_dequantize_sum), which may pass fp32's largest value: their scale is
+    that magnitude / 127 rounded once to fp32 and each value is divided in float64, then rounded to fp32."""
+    wide = blocks.dtype == torch.float64
+    blocks = blocks if wide else blocks.float()
+    # (no |x| copy: one read). abs: an all-zero block holding a -0.0 had the scale -0.0, and every +0.0 came back -0.0
+    scale = (torch.maximum(blocks.amax(dim=-1), -blocks.amin(dim=-1)) / _LEVELS).float().abs()
+    if not wide:
+        # a finite block within an fp32 ulp of fp32's largest value: its scale rounded up, 127 x it overflowed,
+        # and the finite value came back inf (the step's guard then skipped it). Capped, it comes back within an
+        # ulp; an inf keeps its inf scale (and a nan its nan), so a non-finite block still comes back non-finite.
+        # (A node sum is dequantised in float64, where 127 x its scale cannot overflow: not capped)
+        scale = torch.where(scale.isinf(), scale, scale.clamp(max=_MAX_SCALE))
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block stays zero
-    return torch.round(blocks / safe[..., None]).clamp_(-_LEVELS, _LEVELS).to(torch.int8), scale
+    levels = torch.round((blocks / safe[..., None]).float()).clamp_(-_LEVELS, _LEVELS)
+    # a non-finite block's nan ratios (a nan, inf / inf) as level 0, so that level x its nan or inf scale is nan
+    # from both kernels: the cast of a nan to int8 is undefined, 0 in eager and -128 from inductor on CPU, whose
+    # -128 x inf came back -inf for an inf (and a level outside +-127)
+    return levels.nan_to_num_(0.0).to(torch.int8), scale
 
 
 def _dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -64,8 +76,10 @@ def _dequantize_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
 
 
 def _dequantize_sum(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """q [k, blocks, block], scale [k, blocks] -> the k rows' values summed, fp32 [blocks x block]."""
-    return (q.float() * scale[..., None]).sum(0).flatten()
+    """q [k, blocks, block], scale [k, blocks] -> the k rows' values summed, float64 [blocks x block]. Each
+    level x scale is exact in float64 (8 by 24 bits) and no partial sum can overflow: k gradients near fp32's
+    largest value summed in fp32 came back inf where their exact sum was finite (QuantizedReduceScatter)."""
+    return (q.double() * scale.double()[..., None]).sum(0).flatten()
 
 
 _KERNELS = {"quantize": _quantize_rows, "dequantize_into": _dequantize_into, "dequantize_sum": _dequantize_sum}
@@ -113,6 +127,7 @@ def warm_up(device: torch.device, dtype: torch.dtype, block: int) -> None:
             _kernel("dequantize_into", True)(out, rows, row_scales)
             _kernel("dequantize_sum", True)(rows, row_scales)
             _kernel("quantize", True)(_whole_blocks(out.float(), block))  # a node's rows (3-D blocks)
+            _kernel("quantize", True)(_whole_blocks(out.double(), block))  # its node sums (float64)
     except Exception as e:  # noqa: BLE001 - whatever the compiler stack raises, the fix is the setting
         raise compile_failure(f"parallel.zero_pp_kernels: torch.compile could not build ZeRO++'s int8 kernels on "
                               f"{device.type}", e, "set --parallel.zero_pp_kernels eager (the same values, slower), "
@@ -182,7 +197,9 @@ class QuantizedReduceScatter(DefaultAllocMixin, ReduceScatter):
        node peer b', quantised; each rank dequantises and sums its node's contributions;
     2. across nodes, among the ranks of one local index, each sends the node sum bound for node a'
        there, quantised; each rank dequantises and sums: its own chunk, over every rank.
-    Only summed values cross the slow link, once, as int8 plus a scale per block."""
+    Only summed values cross the slow link, once, as int8 plus a scale per block. Sums are float64 until
+    the output (no partial sum overflows fp32), which is inf only where the sum itself passes fp32's largest
+    value (`saturate`)."""
 
     def __init__(self, block: int, mesh, compiled: bool = False):
         super().__init__()
@@ -213,22 +230,34 @@ class QuantizedReduceScatter(DefaultAllocMixin, ReduceScatter):
         nodes, local, n = inter.size(), intra.size(), output_tensor.numel()
         chunks = input_tensor.view(nodes, local, n).transpose(0, 1)  # [bound for local b', node a', n]
         node_sum = self._exchange(chunks.reshape(local, nodes * n), intra, "qgz_intra").view(nodes, n)
-        total = self._exchange(node_sum, inter, "qgz_inter")
+        total = self._exchange(node_sum, inter, "qgz_inter")  # (float64: the node sums, summed)
+        # int8 rounding may carry a sum past fp32's largest value where the exact sum lies within it; fp32's
+        # own reduce-scatter returns inf only past it. Each exchange moves each summand by at most half a step of
+        # its block: within the node, `size` gradients of steps up to _STEP_BOUND; across nodes, `nodes` node sums
+        # of up to `local` gradients each. Within that band a sum saturates, further it is inf
+        band = self.size * _STEP_BOUND / 2 * ((local > 1) + (nodes > 1))
         if op == dist.ReduceOp.AVG:
-            total = total / self.size
-        output_tensor.copy_(total.view_as(output_tensor))
+            total, band = total / self.size, band / self.size
+        output_tensor.copy_(saturate(total, band, output_tensor.dtype).view_as(output_tensor))
         return None
 
     def _exchange(self, parts: torch.Tensor, mesh, label: str) -> torch.Tensor:
         """parts [k, m]: row i to group rank i as int8 blocks (values and scales in one message);
-        returns the sum of the k rows received."""
+        returns the sum of the k rows received, float64 (_dequantize_sum)."""
         k, m = parts.shape
         if k == 1:
-            return parts[0].float()
+            return parts[0].double()
         q, scale = _kernel("quantize", self.compiled)(_whole_blocks(parts, self.block))  # each row whole blocks
         packed = pack_blocks(q.view(k, -1), scale)  # a row per peer
         got_q, got_scale = unpack_blocks(all_to_all(packed, mesh, label), q[0].numel())
         return _kernel("dequantize_sum", self.compiled)(got_q.view(k, -1, self.block), got_scale)[:m]
+
+
+def saturate(total: torch.Tensor, band: float, dtype: torch.dtype) -> torch.Tensor:
+    """qgZ's float64 sums in `dtype`: those within `band` past its largest value at that value (their exact sum
+    may be finite), those further inf, as `dtype`'s own sum gives; nan and inf as they are."""
+    top = torch.finfo(dtype).max
+    return torch.where(total.abs() <= top + band, total.clamp(-top, top), total).to(dtype)
 
 
 def pack_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
