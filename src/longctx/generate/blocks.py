@@ -41,7 +41,7 @@ from collections import OrderedDict
 import torch
 
 from .. import env_vars
-from ..models.static_decode import CompiledStep, static_hidden_states
+from ..models.static_decode import CompiledStep, model_key, static_hidden_states
 from .contracts import Cache, Round
 from .sampling import Processors, Sampling, greedy_choice, inverse_cdf, process
 
@@ -59,6 +59,15 @@ def next_token(model, tokens, positions, k_cache, v_cache, uniforms, sampling: S
     processed = process(model.logits(hidden[:, 0]), sampling)
     chosen = greedy_choice(processed) if sampling.greedy else inverse_cdf(processed, uniforms)
     return chosen, (processed if keep else None)
+
+
+def step_variant(model, cache: Cache, sampling: Sampling, keep: bool) -> tuple:
+    """`next_token`'s variant (models/static_decode.py `_compiled`: a code object per variant): the model's, the
+    cache's dtype and the branches `process` takes (greedy; top-k, top-p, min-p each on or off; the logits kept),
+    so that a process running several sampling settings keeps each one's graphs off the others' recompile limit.
+    The values (temperature, top_k, ...) stay out: a new value compiles once more, dynamic, in its variant."""
+    on = (not sampling.greedy, 0 < sampling.top_k < model.cfg.vocab_size, sampling.top_p < 1.0, sampling.min_p > 0.0)
+    return model_key(model), cache.k.dtype, on, keep
 
 
 def _embeddable(tokens: torch.Tensor) -> torch.Tensor:
@@ -120,7 +129,7 @@ def _fused_step(model, cache: Cache, chosen: torch.Tensor, u, sampling: Sampling
     ok = False
     try:
         out = cache.fast.launch(next_token, chosen.device, 1, model, chosen, step.positions, cache.k, cache.v, u,
-                                sampling, keep)
+                                sampling, keep, variant=step_variant(model, cache, sampling, keep))
         ok = True
     finally:
         cache.end(ok)
@@ -209,11 +218,13 @@ class BlockGraph:
     def steps_(self) -> None:
         """The block's steps on the buffers: step j's positions are the start + j, its token the next's input."""
         cache, chosen, model = self.cache, self.chosen, self.model()
+        variant = step_variant(model, cache, self.sampling, False)
         for j in range(self.steps):
             positions = (self.start + j)[:, None]
             u = None if self.uniforms is None else self.uniforms[j]
             token, _ = cache.fast.launch(next_token, chosen.device, 1, model, chosen, positions, cache.k,
-                                         cache.v, u, self.sampling, False, graphed_by_caller=self.capture is not None)
+                                         cache.v, u, self.sampling, False, graphed_by_caller=self.capture is not None,
+                                         variant=variant)
             self.tokens[j] = token
             chosen = self.tokens[j]
 

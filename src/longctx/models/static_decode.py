@@ -16,8 +16,16 @@ replayed as one CUDA graph. That needs every shape to stay the same from step to
   the prefix; no real token sees it.
 So a decode compiles once per (model, batch, bucket) and never per token; the cache's length is
 marked dynamic, so generations of other prompt lengths or limits reuse the graph (a GPU records a
-CUDA graph per length, without compiling). tests/unit/test_compiled_decode.py counts
-the compilations and holds the tokens to the eager path's.
+CUDA graph per length, without compiling): every capacity up to the model's max_seq_len (256 to
+131072 slots, 56 capacities of generate/cache_pool.py) is one graph. tests/unit/test_compiled_decode.py
+counts the compilations and holds the tokens to the eager path's.
+
+Dynamo keeps graphs, and counts recompiles against its limit (8; with fullgraph, as here, a hit is an
+error, FailOnRecompileLimitHit), per code object. So each function is compiled as a copy of its code
+per bucket and per `variant`, what the caller knows changes the graph (`_compiled`): the model's
+config and cache dtype, final_norm, the sampling branches of `next_token`. What is left to one code
+object is a batch of 1 and then any other batch (dynamic) and, for a sampled step, the first change of
+each sampling value (made dynamic): at most 6 graphs (tests/unit/test_leftovers119_compile.py).
 
 The step is installed on a KVCache after its prefill (generate/loop.py: `cache.fast`); the model's
 cached forward (models/llama.py) hands it every call it `handles`, and runs the eager path (the
@@ -31,6 +39,7 @@ from __future__ import annotations
 import functools
 import math
 import types
+import weakref
 
 import numpy as np
 import torch
@@ -134,17 +143,20 @@ class CompiledStep:
             tokens, positions = F.pad(tokens, (0, padded - n)), F.pad(positions, (0, padded - n))
         hidden = self.launch(static_hidden_states, device, padded, model, tokens, positions,
                              to_device(slots, device), to_device(step.start, device),
-                             self._visibility(step.among, n, padded, device), cache.k, cache.v, final_norm)
+                             self._visibility(step.among, n, padded, device), cache.k, cache.v, final_norm,
+                             variant=(model_key(model), cache.k.dtype, final_norm))
         # a CUDA graph's output is overwritten by its next replay: the caller keeps a copy
         return hidden[:, :n].clone() if device.type == "cuda" else hidden[:, :n]
 
-    def launch(self, fn, device: torch.device, padded: int, *args, graphed_by_caller: bool = False):
+    def launch(self, fn, device: torch.device, padded: int, *args, graphed_by_caller: bool = False,
+               variant: tuple = ()):
         """One call of the step: `fn` (static shapes, `padded` new tokens) compiled with this step's
         settings, run on `args`. Its outputs on a GPU live until the next call (a CUDA graph's replay).
         `graphed_by_caller`: the caller captures the calls in a CUDA graph of its own (generate/blocks.py
         BlockGraph: a block of steps, one replay), so on a GPU `fn` is compiled without torch.compile's
-        CUDA graphs (a graph cannot be captured inside another's capture)."""
-        compiled = _compiled(fn, *self._settings(device, graphed_by_caller), padded)
+        CUDA graphs (a graph cannot be captured inside another's capture). `variant`: hashable, what of
+        `args` makes another graph (`_compiled`), each variant a code object of its own."""
+        compiled = _compiled(fn, *self._settings(device, graphed_by_caller), padded, (device.type, *variant))
         if device.type == "cuda" and not graphed_by_caller:
             torch.compiler.cudagraph_mark_step_begin()
         self.calls += 1
@@ -178,19 +190,35 @@ def _renamed(code: types.CodeType, name: str) -> types.CodeType:
 
 
 @functools.cache
-def _compiled(function, mode: str | None, backend, cpp_wrapper: bool, padded: int):
+def _compiled(function, mode: str | None, backend, cpp_wrapper: bool, padded: int, variant: tuple = ()):
     """One torch.compile of a static function (the static forward; generate/blocks.py's decode step with
-    its choice) per setting and bucket, shared by every CompiledStep (its graphs then serve every
+    its choice) per setting, bucket and variant, shared by every CompiledStep (its graphs then serve every
     generation of the process). Dynamo keeps graphs, and counts recompilations against its limit, per
     code object: a copy of the function's code per bucket keeps each bucket's token count static (a
-    change of it would otherwise make it a dynamic dimension) and the models and batch sizes of one
-    bucket within the limit. On a CPU, kernels of one decode step are too small to share among threads
+    change of it would otherwise make it a dynamic dimension), and a copy per variant (the device type,
+    the model's config, the cache's dtype; the sampling branches) keeps what changes a graph on purpose
+    off the limit: with one copy per bucket, 9 sampling settings in one process (greedy; top-k, top-p,
+    min-p each on or off) compiled `next_token_1` 8 times and the 9th generation failed with
+    FailOnRecompileLimitHit. On a CPU, kernels of one decode step are too small to share among threads
     (`cpp.threads` 1; the GEMMs keep torch's threads)."""
     code = function.__code__
     name = f"{code.co_name}_{padded}"
     fn = types.FunctionType(_renamed(code, name), function.__globals__, name)
     return torch.compile(fn, mode=mode, backend=backend, fullgraph=True,
                          options={"cpp_wrapper": True, "cpp.threads": 1} if cpp_wrapper else None)
+
+
+_MODEL_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def model_key(model) -> tuple:
+    """A model's part of a compiled step's variant: its class and config (made once per model: a decode step
+    reads it every token). Models of one config share graphs; another config (layers, heads, RoPE) compiles
+    its own, under a code object of its own."""
+    key = _MODEL_KEYS.get(model)
+    if key is None:
+        key = _MODEL_KEYS[model] = (type(model).__qualname__, repr(getattr(model, "cfg", None)))
+    return key
 
 
 def compiled_step(compile: bool | CompiledStep | None) -> CompiledStep | None:
