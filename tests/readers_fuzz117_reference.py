@@ -115,7 +115,8 @@ def _value(v, docs, skipped, name):
 def _wide(raw: bytes) -> str | None:
     """The UTF-16 / UTF-32 a .jsonl file starts in (docs/data.md: skipped whole, counted once, named), by its
     byte-order mark (UTF-8's says UTF-8) or, without one, where its start reads in one as JSON: white space, then
-    `{` or `[`, no U+0000, and at least 4 ASCII characters."""
+    `{` or `[`, no U+0000, and JSON's next character (`"` or `}` after `{`, a value's first or `]` after `[`) or at
+    least 4 ASCII characters."""
     if raw.startswith(codecs.BOM_UTF8):
         return None
     if raw.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):
@@ -126,8 +127,9 @@ def _wide(raw: bytes) -> str | None:
                               ("utf16_file", "utf-16-le", 2), ("utf16_file", "utf-16-be", 2)):
         text = raw[:4096 // unit * unit][:len(raw) // unit * unit].decode(codec, "replace")
         body = text.lstrip(" \t\r\n")
-        if body[:1] in ("{", "[") and "\x00" not in text[:len(text) - len(body) + 16] and sum(
-                c < "\x80" for c in text[:len(text) - len(body) + 16]) >= 4:
+        second, start = body[1:].lstrip(" \t\r\n")[:1], text[:len(text) - len(body) + 16]
+        if body[:1] in ("{", "[") and "\x00" not in start and (sum(c < "\x80" for c in start) >= 4 or second and (
+                (body[:1] == "{" and second in '"}') or (body[:1] == "[" and second in '{["-0123456789tfn]'))):
             return kind
     return None
 

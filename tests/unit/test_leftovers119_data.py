@@ -79,7 +79,8 @@ def test_a_utf16_file_whose_first_record_ends_in_a_nul_character_is_not_called_u
 
 @pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"])
 def test_a_wide_jsonl_whose_first_record_is_short_is_still_one_skip(tmp_path, encoding):
-    """'{}' alone is 2 code units, too few to guess from: the head reads on past the first non-blank line."""
+    """'{}' then records: the head reads on past the first non-blank line (375f4889's count of 4 ASCII characters
+    could not guess from '{}' alone; test_review119b reads its next character too)."""
     path = tmp_path / "x.jsonl"
     path.write_bytes(("{}\n" + RECORDS).encode(encoding))
     docs, skipped, damaged = _read(path)

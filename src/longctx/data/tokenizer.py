@@ -216,7 +216,7 @@ def tokenizer_digest(spec: str) -> str | None:
     configured = _configured_eos(path)
     # (read once a process for each content: parsing a 14 MB tokenizer.json takes about a second, and Llama-3's
     # holds two candidates; a run asks again for each stage's store, in its preflight and in the run. The search
-    # for candidates too: where the file escapes their characters it reads the escapes, ~0.3 s for 10 MB)
+    # for candidates too: it reads the escapes of their characters, ~0.15 s for 20 MB of \uXXXX escapes)
     key = (digest.hexdigest(), configured)
     if key not in _EOS_RECORDS:
         # (the vocabulary is worth reading only where the config may name the token, or where two candidates'
@@ -227,27 +227,25 @@ def tokenizer_digest(spec: str) -> str | None:
     return digest.hexdigest()
 
 
-def _escapes(ch: str) -> list[str]:
-    """Regular expressions of the ways a JSON string may escape the ASCII character `ch`: \\uXXXX (hex digits in
-    either case), '/' also \\/. JSON writers other than the tokenizers library's escape '<' and '>' (Go's) or '/'
-    (PHP's); any character may be."""
-    hex_digits = "".join(f"[{d}{d.upper()}]" if d.isalpha() else d for d in f"{ord(ch):04x}")
-    return [r"\\u" + hex_digits] + ([r"\\/"] if ch == "/" else [])
-
-
-# an escape of a character of the candidates, anywhere in a file
-_CANDIDATE_ESCAPE = re.compile("|".join(e for c in sorted(set("".join(_EOS_CANDIDATES))) for e in _escapes(c)).encode())
+# The characters of the candidates, each as a JSON string may escape it: \uXXXX (hex digits in either case), '/'
+# also \/. JSON writers other than the tokenizers library's escape '<' and '>' (Go's) or '/' (PHP's); any character
+# may be. Keyed by the escape in lower case.
+_UNESCAPED = {b"\\/": b"/", **{f"\\u{ord(c):04x}".encode(): c.encode() for c in sorted(set("".join(_EOS_CANDIDATES)))}}
+# One backslash, then the rest of an escape: not an alternation of whole escapes, which sre tries one by one at every
+# backslash (and a search, then a substitution, read the file twice): 0.8 s for a 20 MB tokenizer.json of a CJK
+# vocabulary that Python's json.dump wrote (ensure_ascii: each character a \uXXXX, 2.6M backslashes, none of them a
+# candidate's; up to 5 s on a busy machine), 0.15 s this way.
+_CANDIDATE_ESCAPE = re.compile(rb"\\(?:/|u00(?i:%s))" % b"|".join(e[4:] for e in _UNESCAPED if e != b"\\/"))
 
 
 def _candidates_in(data: bytes) -> int:
     """How many of _EOS_CANDIDATES a tokenizer.json's bytes may hold (as its strings or inside other text: only a
-    parse tells which are tokens, so at least as many as it holds): a byte search for each, where the file escapes
-    one of their characters in the bytes with those escapes read (each escape is one backslash, never a match's
-    end: none is missed; one after an escaped backslash is read too, a count too many at worst). Not the raw bytes
-    alone: '<|endoftext|>' written "\\u003c|endoftext|\\u003e", or '</s>' "<\\/s>", was not found, so a choice
-    the rule of 7f273663 changed was not recorded and a store built before it was taken for a new one."""
-    if _CANDIDATE_ESCAPE.search(data) is not None:  # (the tokenizers library escapes none of them: rare)
-        data = _CANDIDATE_ESCAPE.sub(lambda m: b"/" if m[0] == b"\\/" else bytes([int(m[0][2:], 16)]), data)
+    parse tells which are tokens, so at least as many as it holds): a byte search for each, in the bytes with the
+    escapes of their characters read (each escape is one backslash, never a match's end: none is missed; one after
+    an escaped backslash is read too, a count too many at worst). Not the raw bytes alone: '<|endoftext|>' written
+    "\\u003c|endoftext|\\u003e", or '</s>' "<\\/s>", was not found, so a choice the rule of 7f273663 changed was
+    not recorded and a store built before it was taken for a new one."""
+    data = _CANDIDATE_ESCAPE.sub(lambda m: _UNESCAPED[m[0].lower()], data)
     return sum(t.encode() in data for t in _EOS_CANDIDATES)
 
 

@@ -55,7 +55,11 @@ def _split(chunks: Iterable[bytes], end: bytes) -> Iterator[bytes]:
 # UTF-32 text read as UTF-16 holds U+0000, a UTF-16 one read as UTF-32 no valid code point, one order the other's
 # ASCII as characters past U+00FF)
 _WIDE = (("UTF-32", "utf-32-le"), ("UTF-32", "utf-32-be"), ("UTF-16", "utf-16-le"), ("UTF-16", "utf-16-be"))
-GUESS_UNITS = 4  # ASCII code units (each a zero byte where the encoding puts it) a guess without a mark needs
+GUESS_UNITS = 4  # ASCII characters (each with its zero bytes in place) that tell a guess, JSON's next one aside
+_WS = " \t\r\n"  # JSON's white space
+# what may follow a record line's first character, past white space: a key or the end of an object, a value or the
+# end of an array
+_NEXT = {"{": '"}', "[": '{["-0123456789tfn]'}
 HEAD_BYTES = 64  # bytes past a unit's leading blank lines that wide_head reads the encoding from
 _BLANK = b" \t\r\n\x00"  # a blank line's bytes in any of the encodings: white space and its zero bytes
 
@@ -64,9 +68,12 @@ def wide_encoding(head: bytes) -> str | None:
     """"UTF-16" or "UTF-32" where a jsonl unit's first bytes `head` are in one, else None (UTF-8: its lines are
     read, a bad one counted as such). A byte-order mark decides (UTF-8's too: None). Without one, a guess only where
     the head reads in that encoding (either byte order) as JSON text: white space, then `{` or `[`, no U+0000 (JSON
-    allows none, nor a UTF-8 line any zero byte), and at least GUESS_UNITS ASCII characters, each with its zero
-    bytes in place. Not the first bytes' zero pattern alone: b"X\\0\\0\\0" is 'X' in UTF-32LE or 'X' U+0000
-    in UTF-16LE, and b"\\0\\n\\0\\n{" a UTF-8 file led by NUL lines (its records were lost, skipped as UTF-16)."""
+    allows none, nor a UTF-8 line any zero byte), and JSON's next character past white space (`"` or `}` after `{`,
+    a value's first or `]` after `[`) or at least GUESS_UNITS ASCII characters, each with its zero bytes in place.
+    Not the first bytes' zero pattern alone: b"X\\0\\0\\0" is 'X' in UTF-32LE or 'X' U+0000 in UTF-16LE, and
+    b"\\0\\n\\0\\n{" a UTF-8 file led by NUL lines (its records were lost, skipped as UTF-16). Nor the ASCII count
+    alone (375f4889): a record whose first key is long and in CJK has 2 in 64 bytes, `{}` 3, and such a file was
+    read as one bad line a line, not named."""
     if head.startswith(codecs.BOM_UTF8):  # (the rules below give None too: its bytes read as no `{` in any of them)
         return None
     if head.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):  # (UTF-16LE's mark starts UTF-32LE's)
@@ -83,15 +90,18 @@ def _json_start(head: bytes, codec: str) -> bool:
         text = codecs.getincrementaldecoder(codec)("strict").decode(head)
     except UnicodeDecodeError:
         return False
-    return (text.lstrip(" \t\r\n")[:1] in ("{", "[") and "\x00" not in text
-            and sum(c < "\x80" for c in text) >= GUESS_UNITS)
+    body = text.lstrip(_WS)
+    if body[:1] not in _NEXT or "\x00" in text:
+        return False
+    # (a tuple of characters: "" is in any str, and the head may end before the next one)
+    return body[1:].lstrip(_WS)[:1] in tuple(_NEXT[body[:1]]) or sum(c < "\x80" for c in text) >= GUESS_UNITS
 
 
 def wide_head(lines: Iterator[bytes]) -> tuple[str | None, list[bytes]]:
     """(wide_encoding of a jsonl unit's first HEAD_BYTES bytes past its leading blank lines, within its first
     LINE_END_LOOKAHEAD bytes, the lines read). Not its first line alone: a UTF-16 file whose first line is blank
     starts that line with its newline's other byte (b"" or b"\\x00"), too short to tell (one bad line a line);
-    nor its first non-blank line alone: one of 2 characters, `{}`, is too short to guess from."""
+    nor its first non-blank line alone: `{` and white space may fill it."""
     read: list[bytes] = []
     size, lead = 0, None  # (lead: the bytes before the first non-blank byte, once it is read)
     for line in lines:
