@@ -57,6 +57,7 @@ import functools
 import math
 
 from ..config import ModelConfig
+from ..config.per_model import per_model
 from ..memory.accounting import activation_dtype, estimate_activations
 from ..memory.core_transients import attention_offload_host_and_traffic
 from ..memory.expert_transients import shared_overlap_transient_bytes
@@ -74,7 +75,6 @@ from .model_states import (
     even_shards,
     gathered_param_bytes,
     param_counts,
-    per_model,
     predicted_model_state_bytes,
 )
 from .shape import MeshShape

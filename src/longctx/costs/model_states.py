@@ -23,12 +23,11 @@ traffic, not the states at rest (which are already 1 / world under FSDP over eve
 
 from __future__ import annotations
 
-import functools
 import math
-import weakref
 
 from ..config import ModelConfig
 from ..config.model_name import count_words, model_line
+from ..config.per_model import per_model
 from ..models.flops import layer_matmul_params, moe_ffn_params
 from ..models.llama import build_model
 from .shape import MeshShape
@@ -49,24 +48,6 @@ def _block_extras(m: ModelConfig) -> int:
         qk = (m.heads + m.kv_heads) * hd if getattr(m, "qk_norm_span", "head") == "all" else 2 * hd
     return (2 * m.dim + qk + ((m.heads + 2 * m.kv_heads) * hd if m.qkv_bias else 0)
             + (m.dim if m.out_bias else 0))
-
-
-def per_model(fn):
-    """Remember fn(m, *args) per model config: the planner asks it of one model for every one of its
-    tens of thousands of candidates (a config is never changed once built; the entry is dropped
-    when its config is)."""
-    memo: dict[tuple, tuple] = {}
-
-    @functools.wraps(fn)
-    def cached(m, *args):
-        key = (id(m), args)
-        hit = memo.get(key)
-        if hit is None or hit[0]() is not m:
-            ref = weakref.ref(m, lambda _, key=key: memo.pop(key, None))
-            hit = memo[key] = (ref, fn(m, *args))
-        return hit[1]
-
-    return cached
 
 
 @per_model

@@ -19,11 +19,12 @@ from collections import Counter
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from ..config.per_model import per_model
 from ..memory.accounting import ActivationEstimate
 from ..memory.policy import MemoryPolicy
 from ..models.flops import forward_matmul_flops_per_token, train_flops_per_token
 from .hardware import Hardware
-from .model_states import fsdp_carried_blocks, param_counts, per_model
+from .model_states import fsdp_carried_blocks, param_counts
 from .shape import MeshShape, group_is_intra_node
 
 

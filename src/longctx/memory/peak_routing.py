@@ -8,10 +8,10 @@ A resumed run is counted from the step it resumes at (`from_step`): its widest s
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable
 
 from ..config import ModelConfig
+from ..config.per_model import per_model
 from ..models.moe import scheduled_experts
 
 
@@ -43,18 +43,16 @@ def from_step(m: ModelConfig, step: int) -> ModelConfig:
     run from its start."""
     if m.moe_router != "dts" or step <= 0:
         return m
-    # one object per (m, step), as long as m lives (a config is never changed once built): the counts remembered
-    # per model object (costs/model_states.py per_model) built a meta model again for each new one, each call
-    key = (id(m), step)
-    hit = _RESUMED.get(key)
-    if hit is None or hit[0]() is not m:
-        fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(ModelConfig)}
-        ref = weakref.ref(m, lambda _, key=key: _RESUMED.pop(key, None))
-        hit = _RESUMED[key] = (ref, ResumedModel(**fields, dts_from_step=step))
-    return hit[1]
+    return _resumed(m, step)
 
 
-_RESUMED: dict[tuple[int, int], tuple[weakref.ref, ResumedModel]] = {}  # from_step's: (id(m), step) -> (m, it)
+# one object per (m, step), as long as m lives (a config is never changed once built): the counts remembered per
+# model object (per_model, costs/model_states.py's too) built a meta model again for each new one, each call
+@per_model
+def _resumed(m: ModelConfig, step: int) -> ResumedModel:
+    """from_step's model: `m`'s fields and the step."""
+    fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(ModelConfig)}
+    return ResumedModel(**fields, dts_from_step=step)
 
 
 def at_top_k(m: ModelConfig, k: int) -> ModelConfig:

@@ -8,8 +8,9 @@ costs/hier_bytes.py)."""
 from __future__ import annotations
 
 from ..config import ModelConfig
+from ..config.per_model import per_model
 from ..costs.hier_bytes import hier_expert_bytes
-from ..costs.model_states import fsdp_carried_params, per_model
+from ..costs.model_states import fsdp_carried_params
 from ..costs.shape import MeshShape
 from ..memory.hier_counts import hierarchical
 from ..memory.moe_counts import moe_forward_runs
