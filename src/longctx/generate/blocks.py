@@ -63,10 +63,12 @@ def next_token(model, tokens, positions, k_cache, v_cache, uniforms, sampling: S
 
 def step_variant(model, cache: Cache, sampling: Sampling, keep: bool) -> tuple:
     """`next_token`'s variant (models/static_decode.py `_compiled`: a code object per variant): the model's, the
-    cache's dtype and the branches `process` takes (greedy; top-k, top-p, min-p each on or off; the logits kept),
+    cache's dtype and the branches `process` takes (greedy; else top-k, top-p, min-p each on or off; the logits kept),
     so that a process running several sampling settings keeps each one's graphs off the others' recompile limit.
     The values (temperature, top_k, ...) stay out: a new value compiles once more, dynamic, in its variant."""
-    on = (not sampling.greedy, 0 < sampling.top_k < model.cfg.vocab_size, sampling.top_p < 1.0, sampling.min_p > 0.0)
+    # (greedy reads no filter: a greedy run with a top_k set, which the library takes, shares greedy's graphs)
+    on = ("greedy",) if sampling.greedy else (
+        0 < sampling.top_k < model.cfg.vocab_size, sampling.top_p < 1.0, sampling.min_p > 0.0)
     return model_key(model), cache.k.dtype, on, keep
 
 

@@ -36,6 +36,7 @@ its chunks are compute, and each chunk length would be a graph. A cache sharded 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import types
@@ -209,15 +210,22 @@ def _compiled(function, mode: str | None, backend, cpp_wrapper: bool, padded: in
 
 
 _MODEL_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# where a model's weights came from and how they were initialised: no graph reads them. In the key, every
+# checkpoint of one architecture (generate/loading.py: model.init_from is the checkpoint's path) compiled all its
+# graphs again, and kept them for the rest of the process, where one code object's graphs served them all
+_NOT_IN_GRAPHS = frozenset({"preset", "init_from", "init_std"})
 
 
 def model_key(model) -> tuple:
-    """A model's part of a compiled step's variant: its class and config (made once per model: a decode step
-    reads it every token). Models of one config share graphs; another config (layers, heads, RoPE) compiles
-    its own, under a code object of its own."""
+    """A model's part of a compiled step's variant: its class and config but for _NOT_IN_GRAPHS (made once per
+    model: a decode step reads it every token). Models of one config share graphs; another config (layers,
+    heads, RoPE) compiles its own, under a code object of its own."""
     key = _MODEL_KEYS.get(model)
     if key is None:
-        key = _MODEL_KEYS[model] = (type(model).__qualname__, repr(getattr(model, "cfg", None)))
+        cfg = getattr(model, "cfg", None)
+        shape = repr(cfg) if not dataclasses.is_dataclass(cfg) else repr(
+            [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name not in _NOT_IN_GRAPHS])
+        key = _MODEL_KEYS[model] = (type(model).__qualname__, shape)
     return key
 
 

@@ -17,8 +17,10 @@ train.compile compiled `call` 6 times in its first step, and wrapped functions c
 counts hit the limit (a "recompile limit" warning of a function never meant to compile; the calls past
 it ran through Dynamo's fallback). torch's wrapper lives in a file Dynamo skips: a compiled caller
 breaks its graph at the call and nothing of the wrapper or of fn is compiled, guarded or counted
-(tests/unit/test_leftovers119_compile.py). An eager call goes through the same wrapper (~0.35 us more
-than a plain call: Dynamo's callback set off and back)."""
+(tests/unit/test_leftovers119_compile.py). An eager call goes through the same wrapper (~0.6 us more
+than a plain call, Dynamo's callback set off and back; the old one ~0.2 us): a MoE layer calls wrapped
+functions per call and per piece of memory.block_chunk, never per token or expert (debug-moe with a
+capacity in pieces of 64: 171 calls, ~0.1 ms of a 340 ms CPU step)."""
 
 from __future__ import annotations
 
