@@ -23,7 +23,8 @@ class GGUFImportError(UserError, ValueError):
 def check_architecture(arch: str, path: Path) -> None:
     """Refuse an architecture the installed `gguf` package has no tensor names for: transformers' reader maps a
     file's tensors through them and raised NotImplementedError (a traceback) only once loading had begun. A file
-    stating `mistral` is one: llama.cpp writes Mistral models as `llama`, and gguf-py has no `mistral`."""
+    stating `mistral` is one: llama.cpp writes Mistral 7B-style models as `llama` (Mistral 3 ones as
+    `mistral3`, which gguf-py names but transformers' reader refuses, read_config), and gguf-py has no `mistral`."""
     from importlib.metadata import version
 
     import gguf
@@ -32,7 +33,7 @@ def check_architecture(arch: str, path: Path) -> None:
         raise GGUFImportError(f"{path.name} states general.architecture = {arch!r}, which the installed gguf package "
                               f"({version('gguf')}) has no tensor names for, so "
                               f"transformers' GGUF reader cannot read its tensors. llama.cpp writes Llama-style "
-                              f"models (Mistral's too) as 'llama': convert the model again with llama.cpp's "
+                              f"models (Mistral 7B's too) as 'llama': convert the model again with llama.cpp's "
                               f"convert_hf_to_gguf.py, or use its Hugging Face release (hf:DIR).")
 
 

@@ -9,6 +9,7 @@ never a FILE that reads as complete, and a FILE of an earlier run stays as it wa
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import os
 import stat
@@ -19,7 +20,7 @@ from .. import strict_json
 from ..durable import publish
 from ..errors import ConfigError, UserError
 from .output_paths import partial_path
-from .row_text import CONTEXT_TOKENS, continuation_text, from_character, poisoned_run, prompt_context, text_after
+from .row_text import CONTEXT_TOKENS, ByteRun, continuation_text, from_character, prompt_context, text_after
 
 
 class ReaderGone(UserError):
@@ -56,11 +57,12 @@ class StopStrings:
                                   f"--stop {inside[0]!r} on its own (a row then ends when that token is generated).")
         self.window = 4 * max((len(s) for s in self.stops), default=0) + 4
         self.contexts: list = []  # each row's prompt_context (`rows`; None for no prompt): its text is read after it
-        # a row's last tokens known to lie in a run a stray byte poisons: row -> (its token list, run start, checked
-        # up to); ids that extend such a run (byte tokens; special ones, which decode leaves out, join a run)
-        self.runs: dict[int, tuple[list, int, int]] = {}
-        self.run_ids = set(getattr(tokenizer, "fallback_bytes", dict)()) | set(special.values())
+        self.runs: dict[int, ByteRun] = {}  # the run of byte tokens each row's tokens end in, followed token by token
+        self.table = getattr(tokenizer, "fallback_bytes", dict)()  # {id: byte}; {} for other decoders
+        # ids that extend a run (byte tokens; special ones, which decode leaves out, join a run)
+        self.run_ids = set(self.table) | set(special.values())
         self.fffd = any("\ufffd" in s for s in self.stops)
+        self.longest = max((len(s) for s in self.stops), default=0)
 
     def rows(self, prompts: list, samples: int = 1) -> None:
         """The prompts (their ids) of the rows checked next, prompt-major with `samples` rows each, as the decode
@@ -74,59 +76,104 @@ class StopStrings:
     def __call__(self, row: int, tokens: list[int]) -> bool:
         if tokens and tokens[-1] in self.stop_ids:
             return True
+        if not self.stops:
+            return False
         context = self.contexts[row] if row < len(self.contexts) else None
+        run = self._run(row, tokens, context)
+        if run is not None and run.unreadable():
+            # a last token inside a run a stray byte poisons (or that leaves its last character unfinished) adds one
+            # U+FFFD (or, special, nothing) to the row's text and turns only the run's earlier characters into
+            # U+FFFD: a stop string without one cannot end there, and one with U+FFFD is read on the text before the
+            # run, then the run's U+FFFD. Known without the walk over the run that `exact` pays (8,000 such tokens
+            # took 15 s of checks, now 0.2 s)
+            return self.fffd and self._held_after_run(row, tokens, context)
+        start, cheap = self._tail(tokens, context)
         # a match is read again with the byte runs a stray byte poisons as the row reads them (`exact`: a walk
         # over the run, paid only here, not every token of a long run of byte tokens)
-        if not self.stops or not any(s in self.tail(tokens, context) for s in self.stops):
-            return False
-        # a last token inside a poisoned run adds one U+FFFD (or, special, nothing) to the row's text and turns no
-        # earlier character into another: a stop string without U+FFFD cannot end there. Known without the walk
-        # that `exact` pays, which in a long run the cheap tail matches at every token (a stop string among bytes
-        # the row has as U+FFFD): 8,000 such tokens took 15 s of checks, now 0.2 s
-        if not self.fffd and self._in_poisoned_run(row, tokens):
+        if any(s in cheap for s in self.stops):
+            return any(s in self.tail(tokens, context, exact=True) for s in self.stops)
+        # the cheap tail reads a run a stray byte poisons, begun before its start, as text where the row has
+        # U+FFFD: a stop string holding U+FFFD can lie only there (missed before 2026-12-07). Not where the tail
+        # begins inside the run the row ends in, which nothing poisons (_run): its text is the row's
+        if not self.fffd or run is not None and start >= run.first:
             return False
         return any(s in self.tail(tokens, context, exact=True) for s in self.stops)
 
-    def _in_poisoned_run(self, row: int, tokens: list[int]) -> bool:
-        """Whether the row's last token lies in a run of byte tokens that a stray byte poisons (row_text's
-        poisoned_run). Remembered for the row's own token list, which the decode loop appends to: a run stays
-        poisoned as it grows (its invalid byte is not its last, or poisoned_run would not say so), so a long run
-        is walked once, then each token only asks whether it extends the run. Not a run that reaches the row's
-        first token: the prompt's last bytes may begin its characters (a prompt ending in <0xE6> and a row
-        beginning <0x80><0x80> read as one character), which only the exact tail, read after the prompt, sees."""
+    def _run(self, row: int, tokens: list[int], context) -> ByteRun | None:
+        """The run of byte tokens the row's tokens end in (ByteRun); None where the last token is none. Followed for
+        the row's own token list, which the decode loop appends to: walked back to its start once, then each token
+        feeds its byte to incremental UTF-8 decoders, which raise at a stray byte (never at a character still
+        unfinished); a poisoned run stays so as it grows. A run from the row's first token is poisoned by a stray
+        byte of its own (a row beginning <0x80> has it as U+FFFD even where the prompt's <0xE6> would complete it:
+        text_after then decodes the row alone) or of the run the prompt's last bytes begin (a prompt ending in
+        <0xE6>, a row beginning with newline bytes)."""
         n = len(tokens)
-        held, first, end = self.runs.get(row, (None, 0, 0))
-        if held is tokens and 0 < first < end <= n and all(int(t) in self.run_ids for t in tokens[end:]):
-            self.runs[row] = (tokens, first, n)
-            return True
-        first = poisoned_run(self.tokenizer, tokens, n - 1, n) if n else None
-        if not first:  # (None, or a run from the row's first token)
+        if not self.table or not n or int(tokens[-1]) not in self.run_ids:
             self.runs.pop(row, None)
-            return False
-        self.runs[row] = (tokens, first, n)
-        return True
+            return None
+        run = self.runs.get(row)
+        if run is None or run.tokens is not tokens or run.read > n or \
+                not all(int(t) in self.run_ids for t in tokens[run.read:]):
+            first = n - 1
+            while first > 0 and int(tokens[first - 1]) in self.run_ids:
+                first -= 1
+            run = self.runs[row] = ByteRun(tokens, first, first, [codecs.getincrementaldecoder("utf-8")()])
+            if first == 0 and context and context[0] and int(context[0][-1]) in self.run_ids:
+                ids = context[0]  # (the prompt's run, from where prompt_context begins it: a character or its start)
+                k = len(ids)
+                while k > 0 and int(ids[k - 1]) in self.run_ids:
+                    k -= 1
+                run.decoders.append(codecs.getincrementaldecoder("utf-8")())
+                run.poisoned = self._poisoned_by(run.decoders[1:], [int(t) for t in ids[k:]])
+        run.poisoned = run.poisoned or self._poisoned_by(run.decoders, tokens[run.read:])
+        run.bytes += sum(int(t) in self.table for t in tokens[run.read:])
+        run.read = n
+        return run
+
+    def _poisoned_by(self, decoders: list, ids) -> bool:
+        """Whether the bytes of `ids` make any of `decoders` (fed the run's bytes so far) meet a stray byte."""
+        new = bytes(self.table[int(t)] for t in ids if int(t) in self.table)
+        try:
+            for decoder in decoders:
+                decoder.decode(new)
+        except UnicodeDecodeError:
+            return True
+        return False
+
+    def _held_after_run(self, row: int, tokens: list[int], context) -> bool:
+        """Whether the row's text holds a stop string where its tokens end in a poisoned run (_run): its text is the
+        text before the run (read once a run: it stays as the run grows), then one U+FFFD a byte of the run."""
+        run = self.runs[row]
+        if run.before is None:
+            run.before = self.tail(tokens[:run.first], context, exact=True)
+        text = run.before + "\ufffd" * min(run.bytes, self.longest)
+        return any(s in text for s in self.stops)
 
     def tail(self, tokens: list[int], context=None, exact: bool = False) -> str:
         """The text of the last tokens of `tokens`, enough of them to hold any stop string the last one ends;
         where that is the whole row, as it reads after its prompt's `context` (prompt_context's; text_after).
         `exact`: begun where the row's decoding reads a character from, in a run of byte tokens too
         (from_character)."""
+        return self._tail(tokens, context, exact)[1]
+
+    def _tail(self, tokens: list[int], context=None, exact: bool = False) -> tuple[int, str]:
+        """(the token `tail`'s text begins at, the text)."""
         n, last = self.window, None
         while True:
             if n >= len(tokens) and context:
-                return text_after(self.tokenizer, context, tokens)
+                return 0, text_after(self.tokenizer, context, tokens)
             # (begun on a character, not inside one: see from_character)
             start, text = from_character(self.tokenizer, tokens, max(0, len(tokens) - n), len(tokens), exact)
             if context and (start == 0 or exact and self._joins_prompt_run(context, tokens, start)):
                 # (a run of byte tokens back to the row's start, or one the prompt's last bytes begin, which may
                 # poison it for the row's decoding though its own bytes are valid: as the line reads it)
-                return text_after(self.tokenizer, context, tokens)
+                return 0, text_after(self.tokenizer, context, tokens)
             if n >= len(tokens):
-                return text
+                return start, text
             if last is None:  # (the last token's own text: the characters before it are what counts)
                 last = len(self.tokenizer.decode(tokens[-1:]))
             if len(text) - last >= self.window:
-                return text
+                return start, text
             n *= 2
 
     def _joins_prompt_run(self, context, tokens: list[int], start: int) -> bool:

@@ -5,6 +5,8 @@ whole (the row's decoding has it as U+FFFD). The stop strings (output.py StopStr
 
 from __future__ import annotations
 
+import dataclasses
+
 CONTEXT_TOKENS = 8  # the prompt's last ids that --echo decodes a continuation after
 
 
@@ -92,3 +94,22 @@ def text_after(tokenizer, context: tuple[list[int], str], tokens) -> str:
     ids, head = context
     whole = tokenizer.decode([*ids, *tokens])
     return whole[len(head):] if ids and whole.startswith(head) else tokenizer.decode(tokens)
+
+
+@dataclasses.dataclass
+class ByteRun:
+    """The run of byte tokens a row's tokens end in, as output.py's StopStrings follows it token by token."""
+
+    tokens: list  # the row's own token list (the decode loop appends to it; another list starts again)
+    first: int  # the run's first token
+    read: int  # the tokens fed to the decoders so far
+    decoders: list  # UTF-8 decoders fed the run's bytes (a second one the prompt's run too, where it joins it)
+    poisoned: bool = False  # a stray byte met: the row has the run as U+FFFD a byte, as long as it grows
+    bytes: int = 0  # its byte tokens (special ones, which decode leaves out, join a run without a byte)
+    before: str | None = None  # the row's text before the run (_held_after_run), read once a run
+
+    def unreadable(self) -> bool:
+        """Whether the row has the run as U+FFFD a byte: poisoned, or its last character unfinished (until a byte
+        finishes it: 'Question:' + 'A' x 24 + <0xC3> holds ':\ufffd', which a tail begun inside the run never
+        read)."""
+        return self.poisoned or any(decoder.getstate()[0] for decoder in self.decoders)
