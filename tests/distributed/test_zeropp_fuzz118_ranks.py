@@ -25,6 +25,7 @@ from test_zero_pp_quant import _has_compiler, needs_compiler  # noqa: E402
 from test_zeropp_fuzz118 import (  # noqa: E402
     BAD,
     DISTRIBUTIONS,
+    FP32_MAX,
     random_cases,
     ref_bound,
     ref_dequantize,
@@ -119,11 +120,26 @@ def _uneven_fsdp(seed: int) -> list[str]:
     return problems
 
 
+def ref_headroom(scales: list):
+    """docs: the power of two that qgZ multiplies the scales of the rows it received by before their fp32 sum: 1
+    unless a block's rows' largest magnitudes (127 x their scales) add up past half of fp32's largest value, else the
+    smallest power that brings the largest such sum under it. Non-finite blocks are left out."""
+    import math
+
+    import numpy as np
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        bound = np.sum([s.astype(np.float64) * 127 for s in scales], axis=0)
+    most = float(np.where(np.isfinite(bound), bound, 0.0).max(initial=0.0))
+    return np.float32(2.0 ** -max(0, math.ceil(math.log2(most / (float(FP32_MAX) / 2)))) if most > 0 else 1.0)
+
+
 def ref_reduce(grads: list, layout, rank: int, n: int, block: int):
     """The documented qgZ for `rank`'s chunk: within the node, each peer's row (the chunks bound for this rank's
-    local index on every node) through int8 blocks, dequantised and summed in float64 in peer order; then across
-    nodes, each node's (float64) sum of this rank's chunk through int8 blocks, summed alike. Returns (the float64
-    sum, its bound against the exact sum); `finish` makes it the output."""
+    local index on every node) through int8 blocks, dequantised with its scales times the rank's headroom and summed
+    in fp32 in peer order; then across nodes, each node's sum of this rank's chunk through int8 blocks (the scales of
+    the sum itself: over that node's headroom), summed alike. Returns (the fp32 sum times the last headroom, that
+    headroom, its bound against the exact sum); `finish` makes it the output."""
     import numpy as np
     import torch
 
@@ -133,35 +149,46 @@ def ref_reduce(grads: list, layout, rank: int, n: int, block: int):
     node_t, local_t = divmod(rank - first, local)
     node_sums, bound = [], torch.zeros(n, dtype=torch.float64)
     for a in range(nodes):  # the rank (a, local_t) sums its node's rows
-        total = np.zeros(nodes * n, np.float64)
-        for b in range(local):
-            row = grads[first + a * local + b].view(nodes, local, n)[:, local_t].reshape(-1)
-            if local == 1:
-                total = row.numpy().astype(np.float64)
-                continue
-            levels, scale = ref_quantize(row, block)
-            total = total + ref_dequantize(levels, scale, nodes * n, torch.float64).numpy()
+        rows = [grads[first + a * local + b].view(nodes, local, n)[:, local_t].reshape(-1) for b in range(local)]
+        if local == 1:
+            node_sums.append((rows[0].numpy().reshape(nodes, n)[node_t].copy(), np.float32(1.0)))
+            continue
+        quantised = [ref_quantize(row, block) for row in rows]
+        headroom, total = ref_headroom([scale for _, scale in quantised]), np.zeros(nodes * n, np.float32)
+        for row, (levels, scale) in zip(rows, quantised):
+            total = (total + ref_dequantize(levels, scale * headroom, nodes * n, torch.float32).numpy()
+                     ).astype(np.float32)
             bound += ref_bound(row, scale, block, torch.float32)[node_t * n:(node_t + 1) * n]
-        node_sums.append(torch.from_numpy(total).view(nodes, n)[node_t])
+        node_sums.append((total.reshape(nodes, n)[node_t].copy(), headroom))
     if nodes == 1:
-        return node_sums[0], bound
-    out = np.zeros(n, np.float64)
-    for part in node_sums:
-        levels, scale = ref_quantize(part, block)
-        out = out + ref_dequantize(levels, scale, n, torch.float64).numpy()
-        bound += ref_bound(part, scale, block, torch.float32)
-    return torch.from_numpy(out), bound
+        return torch.from_numpy(node_sums[0][0]), node_sums[0][1], bound
+    quantised = []
+    for part, headroom in node_sums:
+        levels, scale = ref_quantize(torch.from_numpy(part), block)
+        quantised.append((levels, (scale / headroom).astype(np.float32)))
+        bound += ref_bound(torch.from_numpy(part), quantised[-1][1], block, torch.float32)
+    headroom, out = ref_headroom([scale for _, scale in quantised]), np.zeros(n, np.float32)
+    for levels, scale in quantised:
+        out = (out + ref_dequantize(levels, scale * headroom, n, torch.float32).numpy()).astype(np.float32)
+    return torch.from_numpy(out), headroom, bound
 
 
-def finish(total, layout, size: int, avg: bool):
-    """docs: a float64 sum (divided by the group's size for AVG) within the int8 rounding's band past fp32's
-    largest value saturates at it (its exact sum may be finite), further it is inf; then fp32."""
+def finish(total, headroom, layout, size: int, avg: bool):
+    """docs: the sum (divided by the group's size for AVG) within the int8 rounding's band past fp32's largest value
+    saturates at it (its exact sum may be finite), further it is inf."""
+    import numpy as np
     import torch
 
     _, nodes, local = layout
-    top = float(torch.finfo(torch.float32).max)
-    band = size * top / 127 * (1 + 2.0 ** -20) / 2 * ((local > 1) + (nodes > 1)) / (size if avg else 1)
-    return torch.where(total.abs() <= top + band, total.clamp(-top, top), total).float()
+    top, divide = float(FP32_MAX), size if avg else 1
+    band = size * top * ((local > 1) + (nodes > 1)) * (1 / 254 + size * 2.0 ** -23) / divide
+    divisor = np.float32(headroom) * np.float32(divide)
+    with np.errstate(over="ignore", invalid="ignore"):
+        edge = np.float32((top + band) * float(divisor))
+        total = total.numpy()
+        out = np.clip(total / divisor, -top, top)
+    out[total > edge], out[total < -edge] = np.inf, -np.inf
+    return torch.from_numpy(out.astype(np.float32))
 
 
 def _reduce_cases(seed: int, compiled: bool = False) -> list[str]:
@@ -189,11 +216,11 @@ def _reduce_cases(seed: int, compiled: bool = False) -> list[str]:
         op = rng.choice([dist.ReduceOp.SUM, dist.ReduceOp.AVG])
         out = torch.full((n,), 99.0)
         QuantizedReduceScatter(block, mesh, compiled)(out, grads[rank].clone(), groups[rank // size], op)
-        want, bound = ref_reduce(grads, layout, rank, n, block)
+        total, headroom, bound = ref_reduce(grads, layout, rank, n, block)
         exact = torch.stack(grads[rank - rank % size:][:size]).double().sum(0).view(size, n)[rank % size]
         if op == dist.ReduceOp.AVG:
-            want, bound, exact = want / size, bound / size, exact / size
-        want = finish(want, layout, size, op == dist.ReduceOp.AVG)
+            bound, exact = bound / size, exact / size
+        want = finish(total, headroom, layout, size, op == dist.ReduceOp.AVG)
         label = f"layout {layout} n {n} block {block} {kind} {op}"
         problems += _reduce_problems(label, out, want, bound, exact, compiled)
         if bad and bad[0] // size == rank // size and bad[1] // n == rank % size:

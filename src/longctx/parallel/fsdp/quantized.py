@@ -29,6 +29,7 @@ except ImportError:  # pragma: no cover - older torch: qwZ and qgZ are refused a
     AllGather = ReduceScatter = DefaultAllocMixin = DefaultReduceScatter = object
 
 _LEVELS = 127.0
+_TOP = torch.finfo(torch.float32).max
 
 
 def _largest_scale() -> float:
@@ -40,26 +41,19 @@ def _largest_scale() -> float:
 
 
 _MAX_SCALE = _largest_scale()
-# at least any fp32 scale of a block of magnitudes up to fp32's largest (qgZ's rounding band: saturate)
-_STEP_BOUND = torch.finfo(torch.float32).max / _LEVELS * (1 + 2.0 ** -20)
 
 
 def _quantize_rows(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """blocks [..., block] -> (int8 [..., block], fp32 scale [...]: each block's largest magnitude / 127).
-    float64 blocks are qgZ's node sums (_dequantize_sum), which may pass fp32's largest value: their scale is
-    that magnitude / 127 rounded once to fp32 and each value is divided in float64, then rounded to fp32."""
-    wide = blocks.dtype == torch.float64
-    blocks = blocks if wide else blocks.float()
+    """blocks [..., block] -> (int8 [..., block], fp32 scale [...]: each block's largest magnitude / 127)."""
+    blocks = blocks.float()
     # (no |x| copy: one read). abs: an all-zero block holding a -0.0 had the scale -0.0, and every +0.0 came back -0.0
-    scale = (torch.maximum(blocks.amax(dim=-1), -blocks.amin(dim=-1)) / _LEVELS).float().abs()
-    if not wide:
-        # a finite block within an fp32 ulp of fp32's largest value: its scale rounded up, 127 x it overflowed,
-        # and the finite value came back inf (the step's guard then skipped it). Capped, it comes back within an
-        # ulp; an inf keeps its inf scale (and a nan its nan), so a non-finite block still comes back non-finite.
-        # (A node sum is dequantised in float64, where 127 x its scale cannot overflow: not capped)
-        scale = torch.where(scale.isinf(), scale, scale.clamp(max=_MAX_SCALE))
+    scale = (torch.maximum(blocks.amax(dim=-1), -blocks.amin(dim=-1)) / _LEVELS).abs()
+    # a finite block within an fp32 ulp of fp32's largest value: its scale rounded up, 127 x it overflowed, and
+    # the finite value came back inf (the step's guard then skipped it). Capped, it comes back within an ulp; an
+    # inf keeps its inf scale (and a nan its nan), so a non-finite block still comes back non-finite
+    scale = torch.where(scale.isinf(), scale, scale.clamp(max=_MAX_SCALE))
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block stays zero
-    levels = torch.round((blocks / safe[..., None]).float()).clamp_(-_LEVELS, _LEVELS)
+    levels = torch.round(blocks / safe[..., None]).clamp_(-_LEVELS, _LEVELS)
     # a non-finite block's nan ratios (a nan, inf / inf) as level 0, so that level x its nan or inf scale is nan
     # from both kernels: the cast of a nan to int8 is undefined, 0 in eager and -128 from inductor on CPU, whose
     # -128 x inf came back -inf for an inf (and a level outside +-127)
@@ -76,10 +70,21 @@ def _dequantize_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
 
 
 def _dequantize_sum(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """q [k, blocks, block], scale [k, blocks] -> the k rows' values summed, float64 [blocks x block]. Each
-    level x scale is exact in float64 (8 by 24 bits) and no partial sum can overflow: k gradients near fp32's
-    largest value summed in fp32 came back inf where their exact sum was finite (QuantizedReduceScatter)."""
-    return (q.double() * scale.double()[..., None]).sum(0).flatten()
+    """q [k, blocks, block], scale [k, blocks] -> the k rows' values summed, fp32 [blocks x block]. qgZ passes
+    scales times its headroom (`_headroom`), so that no partial sum can overflow fp32."""
+    return (q.float() * scale[..., None]).sum(0).flatten()
+
+
+def _headroom(scale: torch.Tensor) -> torch.Tensor:
+    """The power of two (0-d fp32, at most 1) that qgZ multiplies the scales of the k rows it received, `scale`
+    [k, blocks], by before summing them in fp32: 1 where no block's sum can pass half of fp32's largest value
+    (its rows' largest magnitudes, 127 x their scales, added), the largest sum's power below it otherwise. k
+    gradients near fp32's largest value summed as they are came back inf where their exact sum is finite; a
+    power of two moves only exponents, so the sum is the same but for fp32's subnormals (a value under 2^-126 x
+    the headroom's inverse loses its lowest bits). A non-finite block is left out: it comes back nan anyway."""
+    bound = (scale.double() * _LEVELS).sum(0).nan_to_num_(0.0, 0.0, 0.0)
+    most = F.pad(bound, (0, 1)).max()  # (a zero for a row of no blocks)
+    return torch.exp2(-(most / (_TOP / 2)).log2().ceil().clamp_(min=0.0)).float()
 
 
 _KERNELS = {"quantize": _quantize_rows, "dequantize_into": _dequantize_into, "dequantize_sum": _dequantize_sum}
@@ -127,7 +132,6 @@ def warm_up(device: torch.device, dtype: torch.dtype, block: int) -> None:
             _kernel("dequantize_into", True)(out, rows, row_scales)
             _kernel("dequantize_sum", True)(rows, row_scales)
             _kernel("quantize", True)(_whole_blocks(out.float(), block))  # a node's rows (3-D blocks)
-            _kernel("quantize", True)(_whole_blocks(out.double(), block))  # its node sums (float64)
     except Exception as e:  # noqa: BLE001 - whatever the compiler stack raises, the fix is the setting
         raise compile_failure(f"parallel.zero_pp_kernels: torch.compile could not build ZeRO++'s int8 kernels on "
                               f"{device.type}", e, "set --parallel.zero_pp_kernels eager (the same values, slower), "
@@ -197,9 +201,11 @@ class QuantizedReduceScatter(DefaultAllocMixin, ReduceScatter):
        node peer b', quantised; each rank dequantises and sums its node's contributions;
     2. across nodes, among the ranks of one local index, each sends the node sum bound for node a'
        there, quantised; each rank dequantises and sums: its own chunk, over every rank.
-    Only summed values cross the slow link, once, as int8 plus a scale per block. Sums are float64 until
-    the output (no partial sum overflows fp32), which is inf only where the sum itself passes fp32's largest
-    value (`saturate`)."""
+    Only summed values cross the slow link, once, as int8 plus a scale per block. Each sum is taken in fp32
+    times a power of two (`_headroom`: 1 unless gradients near fp32's largest value could overflow it), so the
+    output is inf only where the sum itself passes the gradients' dtype's largest value (`saturate`). (float64
+    sums, 2026-12-07, took 1.7-2.5x the time of a 64M-element unit's reduce-scatter on one CPU core, and twice
+    its transient bytes.)"""
 
     def __init__(self, block: int, mesh, compiled: bool = False):
         super().__init__()
@@ -229,35 +235,56 @@ class QuantizedReduceScatter(DefaultAllocMixin, ReduceScatter):
         inter, intra = self.mesh["inter"], self.mesh["intra"]
         nodes, local, n = inter.size(), intra.size(), output_tensor.numel()
         chunks = input_tensor.view(nodes, local, n).transpose(0, 1)  # [bound for local b', node a', n]
-        node_sum = self._exchange(chunks.reshape(local, nodes * n), intra, "qgz_intra").view(nodes, n)
-        total = self._exchange(node_sum, inter, "qgz_inter")  # (float64: the node sums, summed)
-        # int8 rounding may carry a sum past fp32's largest value where the exact sum lies within it; fp32's
-        # own reduce-scatter returns inf only past it. Each exchange moves each summand by at most half a step of
-        # its block: within the node, `size` gradients of steps up to _STEP_BOUND; across nodes, `nodes` node sums
-        # of up to `local` gradients each. Within that band a sum saturates, further it is inf
-        band = self.size * _STEP_BOUND / 2 * ((local > 1) + (nodes > 1))
-        if op == dist.ReduceOp.AVG:
-            total, band = total / self.size, band / self.size
-        output_tensor.copy_(saturate(total, band, output_tensor.dtype).view_as(output_tensor))
+        node_sum, headroom = self._exchange(chunks.reshape(local, nodes * n), intra, "qgz_intra")
+        total, headroom = self._exchange(node_sum.view(nodes, n), inter, "qgz_inter", headroom)
+        band = rounding_band(self.size, (local > 1) + (nodes > 1), input_tensor.dtype)
+        divide = self.size if op == dist.ReduceOp.AVG else 1
+        flat, dtype = output_tensor.view(-1), output_tensor.dtype
+        if dtype == torch.float32:
+            saturate(total, headroom, band / divide, divide, dtype, out=flat)
+        else:
+            flat.copy_(saturate(total, headroom, band / divide, divide, dtype))
         return None
 
-    def _exchange(self, parts: torch.Tensor, mesh, label: str) -> torch.Tensor:
-        """parts [k, m]: row i to group rank i as int8 blocks (values and scales in one message);
-        returns the sum of the k rows received, float64 (_dequantize_sum)."""
+    def _exchange(self, parts: torch.Tensor, mesh, label: str, headroom: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """parts [k, m], values times `headroom` (a power of two; None: 1): row i to group rank i as int8 blocks,
+        values and the scales of the values themselves in one message. Returns the sum of the k rows received
+        times its own headroom (`_headroom`), fp32 [m], and that headroom."""
         k, m = parts.shape
         if k == 1:
-            return parts[0].double()
+            return parts[0].float(), torch.ones((), device=parts.device) if headroom is None else headroom
         q, scale = _kernel("quantize", self.compiled)(_whole_blocks(parts, self.block))  # each row whole blocks
+        if headroom is not None:
+            scale = scale / headroom  # (exact: a power of two; a node's sum is at most `local` x fp32's largest)
         packed = pack_blocks(q.view(k, -1), scale)  # a row per peer
         got_q, got_scale = unpack_blocks(all_to_all(packed, mesh, label), q[0].numel())
-        return _kernel("dequantize_sum", self.compiled)(got_q.view(k, -1, self.block), got_scale)[:m]
+        headroom = _headroom(got_scale)
+        total = _kernel("dequantize_sum", self.compiled)(got_q.view(k, -1, self.block), got_scale * headroom)
+        return total[:m], headroom
 
 
-def saturate(total: torch.Tensor, band: float, dtype: torch.dtype) -> torch.Tensor:
-    """qgZ's float64 sums in `dtype`: those within `band` past its largest value at that value (their exact sum
-    may be finite), those further inf, as `dtype`'s own sum gives; nan and inf as they are."""
+def rounding_band(size: int, exchanges: int, dtype: torch.dtype) -> float:
+    """How far qgZ's sum over `size` ranks may lie from the exact sum of `dtype` gradients: each exchange moves
+    each summand by at most half a step of its block (within the node, `size` gradients' steps in all, each at
+    most dtype's largest value / 127; across nodes, `nodes` node sums' of up to `local` gradients each), plus
+    fp32's own rounding of the sums (a relative 2^-24 per term)."""
+    return size * torch.finfo(dtype).max * exchanges * (1 / (2 * _LEVELS) + size * 2.0 ** -23)
+
+
+def saturate(total: torch.Tensor, headroom: torch.Tensor, band: float, divide: int, dtype: torch.dtype,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """qgZ's output, fp32 (into `out` if given) with `dtype`'s range: `total` (fp32 sums times `headroom`, a power
+    of two) divided by `divide` (AVG: the group's size). A sum that int8 rounding carried past dtype's largest
+    value by at most `band` comes back as that value (its exact sum may lie within it; fp32's own reduce-scatter
+    returns inf only past it), one further as inf, as dtype's own sum gives; nan as it is."""
     top = torch.finfo(dtype).max
-    return torch.where(total.abs() <= top + band, total.clamp(-top, top), total).to(dtype)
+    divisor = headroom * divide  # (exact: a power of two times the group's size)
+    edge = ((top + band) * divisor.double()).float()  # in `total`'s units (inf where past fp32's largest: all in)
+    high, low = total > edge, total < -edge  # (nan: neither)
+    value = torch.div(total, divisor, out=out)  # (inf where the sum passes fp32's largest value)
+    # in place and masked: where(|total| <= edge, ...) took 4 passes more, each a fresh buffer of the shard
+    return value.clamp_(-top, top).masked_fill_(high, float("inf")).masked_fill_(low, -float("inf"))
 
 
 def pack_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
