@@ -7,8 +7,11 @@
    rows are freed before the shared experts run, the measured peak with shared experts fell (19,030,260 ->
    16,834,804 B) and that phantom count was 1.304x it (test_autocast_moe_accounting.py's bound went 1.3 -> 1.35).
    Each kind is now counted by the blocks of it: 1.209x (1.096x without shared experts), still never under.
-2. That phantom hid an under-count: a recomputed MoE block's z-loss tensors (the router's fp32 input, logits and
-   log-sum-exp, remade by the recomputation) stay alive through its core and pre phases (z_loss_held_bytes).
+2. That phantom hid what looked like an under-count: a recomputed MoE block's z-loss tensors stayed alive through
+   its core and pre phases (counted as z_loss_held_bytes). It was the harness's: a backward of the LM loss alone,
+   which training never runs (the router terms join its loss), kept the records' unrun nodes, their checkpoint
+   with its input, and what the recomputation made for them (test_zloss_recompute_memory119.py fixed the model;
+   z_loss_held_bytes is gone, the count exact with and without a z-loss).
 3. memory/peak_routing.py from_step kept a cache of its own (id + weakref), a copy of costs/model_states.py's
    per_model, which memory/ may not import (floor 6 under costs/' 7): both now use config/per_model.py's.
 """
@@ -26,11 +29,14 @@ SELECTIVE_OFFLOAD_CHUNKS = MemoryPolicy("selective", 0.5, 1, loss_chunk=512, blo
 
 
 @pytest.mark.parametrize("shared", [0, 1])
-@pytest.mark.parametrize("policy,over", [(SELECTIVE_OFFLOAD, 1.25), (SELECTIVE_OFFLOAD_CHUNKS, 1.3)],
+# (selective-offload-chunks 1.416 since the z-loss's leftovers, 1,236,992 B of the measured peak, are freed: the
+# ratio the run without a z-loss always had; the dense count's slack under the same policy, test_autocast_transients)
+@pytest.mark.parametrize("policy,over", [(SELECTIVE_OFFLOAD, 1.25), (SELECTIVE_OFFLOAD_CHUNKS, 1.45)],
                          ids=["selective-offload", "selective-offload-chunks"])
 def test_offloaded_dense_block_is_not_counted_as_a_moe_one(policy, over, shared):
     """Measured transient / counted, before: 1.188 / 1.304 (selective-offload, shared 0 / 1), 1.450 / 1.548 (with
-    chunks); after: 1.096 / 1.209, 1.262 / 1.262."""
+    chunks); after: 1.096 / 1.209, 1.262 / 1.262; with the z-loss's leftovers freed (helper zleak): 1.080 / 1.209,
+    1.416 / 1.416."""
     from test_autocast_transients import measure
 
     saved, peak, _, transient = measure(policy, {**MOE_SHAPE, "moe.shared_experts": shared}, 2048)
@@ -75,11 +81,13 @@ def test_from_step_and_the_costs_share_one_per_model():
 
 
 @pytest.mark.parametrize("z_loss", [0.001, 0.0])
-def test_a_recomputed_moe_block_keeps_its_z_loss_tensors_counted(z_loss):
+def test_a_recomputed_moe_blocks_count_is_exact_with_and_without_a_z_loss(z_loss):
     """Unmasked by the fix above: with the offloaded dense block counted as dense, the kept MoE block's pre phase
-    (the offloaded block's host tier prefetched) is the count's largest, and the router's z-loss tensors its
-    recomputation made (fp32 input, logits, log-sum-exp) are still alive then: 0.962x the measured (1,122,304 B
-    under) before transients.z_loss_held_bytes, exact after; without a z-loss exact either way."""
+    (the offloaded block's host tier prefetched) is the count's largest. The harness's backward of the LM loss alone
+    kept the block's checkpoint input, its recomputed logits and log-sum-exp alive then: 0.962x the measured
+    (1,122,304 B under), exact with transients.z_loss_held_bytes counting them; since the records free them in the
+    block's backward (test_zloss_recompute_memory119.py) the measured is the same with and without a z-loss, exact
+    without z_loss_held_bytes (1.040x with it)."""
     from test_autocast_transients import measure
 
     policy = MemoryPolicy("selective", 1.0, 1, loss_chunk=512)

@@ -158,21 +158,9 @@ def backward_phase_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head
     # piece); in pieces, the earlier pieces' attention output and residual gradients are alive beside the next's
     post_work = (max(X + piece / t, 2 * X + c * q_dim) if whole_post_piece(m, t, policy, moe)
                  else 2 * X + c * q_dim + piece / t)
-    z = t * z_loss_held_bytes(m, policy, moe)
     return {"post": t * (post_work + state_post) + pre_block + weights + sums["post"],
-            "core": t * (X + c * q_dim + state_core + core_work) + pair + pre_block + weights - freed + z,
-            "pre": pre + weights + sums["pre"] - t * pre_saved_bytes(m, policy, part, seq_out, moe) + z}
-
-
-def z_loss_held_bytes(m: ModelConfig, policy: MemoryPolicy, moe: bool = False) -> float:
-    """Bytes per token a recomputed MoE block's router keeps past its post phase with a z-loss (moe.z_loss > 0): the
-    recomputation runs the router's recording ops again (memory/apply_policy.py _checkpointed), and the z term's
-    saved tensors it made, the router's fp32 input [d], its logits [E] and their log-sum-exp, were measured alive
-    through the block's core and pre phases too (debug-moe, 2,048 tokens, fp32, selective + offload 1.0: 1,122,304
-    B over the count, to the byte; none without a z-loss). Counted for every token: an upper bound."""
-    if not (moe and m.is_moe and m.moe_z_loss > 0) or policy.recompute == "none":
-        return 0.0
-    return 4.0 * (m.dim + m.moe_experts + 1)
+            "core": t * (X + c * q_dim + state_core + core_work) + pair + pre_block + weights - freed,
+            "pre": pre + weights + sums["pre"] - t * pre_saved_bytes(m, policy, part, seq_out, moe)}
 
 
 def pre_pieces(tokens: int, policy: MemoryPolicy) -> list[tuple[float, bool, bool]]:

@@ -287,7 +287,7 @@ class MoEFeedForward(nn.Module):
         if routing is None:
             return torch.zeros_like(x)
         if self.recording:
-            record_call(self, routing, flat.shape[0])
+            routing = record_call(self, routing, flat.shape[0])
         shared = None if self.shared is None else (lambda: self._shared(flat))
         y, s = self._routed(flat, routing, shared)
         return (y if s is None else y + s).view(shape)

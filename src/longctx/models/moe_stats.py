@@ -9,6 +9,7 @@ batch trains its routers as the same batch without the padding would. Without a 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -32,35 +33,83 @@ class RouterRecord:
 # of a memory policy's call (memory.block_chunk) compiled again until the recompile limit ran some pieces
 # eagerly, and a checkpointed piece's forward and its recomputation saved different tensors: CheckpointError)
 @eager_under_compile
-def record_call(layer, routing: Routing, tokens: int) -> None:
-    """A MoE layer's (models/moe.py MoEFeedForward) record of one call of `tokens` tokens, appended to its records."""
-    layer.records.append(record(routing, tokens, layer.num_experts, layer.real_of(tokens, True), layer.z_grad))
+def record_call(layer, routing: Routing, tokens: int) -> Routing:
+    """A MoE layer's (models/moe.py MoEFeedForward) record of one call of `tokens` tokens, appended to its records;
+    returns the routing the call goes on with (its weights passed through the record's node: `record`)."""
+    rec, routing = record(routing, tokens, layer.num_experts, layer.real_of(tokens, True), layer.z_grad)
+    layer.records.append(rec)
+    return routing
 
 
 def record(routing: Routing, tokens: int, num_experts: int, real: torch.Tensor | None = None,
-           z_grad: bool = True) -> RouterRecord:
-    """What a call of T = `tokens` tokens with `routing` adds to the statistics; `real` [T] bool (None: all):
-    padding adds nothing (its choices, probabilities, z-loss term and count are left out; its choices,
-    never kept under a capacity, are no drops). Without padding the same bits as without a mask.
+           z_grad: bool = True) -> tuple[RouterRecord, Routing]:
+    """What a call of T = `tokens` tokens with `routing` adds to the statistics, and the routing to go on with;
+    `real` [T] bool (None: all): padding adds nothing (its choices, probabilities, z-loss term and count are left
+    out; its choices, never kept under a capacity, are no drops). Without padding the same bits as without a mask.
 
     `z_grad` False (moe.z_loss = 0): the z figure is recorded without a gradient, the same value: with one, its
     log-sum-exp kept the logits [T, E] fp32 for a backward through a term weighted 0 (router_terms refuses a
-    z weight over such records)."""
-    logits = routing.logits if z_grad else routing.logits.detach()
+    z weight over such records). The sums with a gradient come from `_RouterSums`, whose node the returned
+    routing's weights pass through."""
+    weight = None if real is None else real.to(routing.probs.dtype)
+    weights, prob_sum, lse_sq_sum = _RouterSums.apply(routing.weights, routing.probs, routing.logits, weight, z_grad)
+    routing = dataclasses.replace(routing, weights=weights)
     if real is None:
         counts = expert_counts(routing.experts.flatten(), num_experts).float()
         dropped = (torch.zeros((), device=counts.device) if routing.kept is None
                    else (~routing.kept).sum().float())
-        return RouterRecord(counts, routing.probs.sum(0), logits.logsumexp(-1).square().sum(), tokens, dropped,
-                            _rows(routing, counts, num_experts))
-    choice = torch.where(real[:, None], routing.experts, num_experts).flatten()  # padding: a bucket past E
-    counts = expert_counts(choice, num_experts + 1)[:num_experts].float()
-    dropped = (torch.zeros((), device=counts.device) if routing.kept is None
-               else (~routing.kept & real[:, None]).sum().float())
-    weight = real.to(routing.probs.dtype)
-    return RouterRecord(counts, (routing.probs * weight[:, None]).sum(0),
-                        (logits.logsumexp(-1).square() * weight).sum(), real.sum().float(), dropped,
-                        _rows(routing, counts, num_experts))
+    else:
+        choice = torch.where(real[:, None], routing.experts, num_experts).flatten()  # padding: a bucket past E
+        counts = expert_counts(choice, num_experts + 1)[:num_experts].float()
+        dropped = (torch.zeros((), device=counts.device) if routing.kept is None
+                   else (~routing.kept & real[:, None]).sum().float())
+        tokens = real.sum().float()
+    rows = _rows(routing, counts, num_experts)
+    return RouterRecord(counts, prob_sum, lse_sq_sum, tokens, dropped, rows), routing
+
+
+class _RouterSums(torch.autograd.Function):
+    """(weights, prob_sum [E], lse_sq_sum) of a call: the routing weights [T, k] passed through, the probabilities
+    [T, E] summed over the (real) tokens, and sum_t logsumexp(logits_t)^2 over them, each token times `weight` [T]
+    (None: 1); the z figure without a gradient unless `z_grad`. The same values, and the same gradients bit for bit,
+    as the ops themselves (sum; square, logsumexp; a product with the weight); why one node:
+
+    The sums feed the balancing losses, which only a caller that adds the model's router_terms to its loss
+    backwards (train/moe_hooks.py); a backward of the LM loss alone (an evaluation of memory or of a layout, a
+    library caller's own loss) never runs their own nodes. Autograd then kept what those saved (the logits and
+    their log-sum-exp, the padding weight) until the records were dropped at the next forward, and in a recomputed
+    block more: the recomputation remade those tensors for the forward's checkpoint holders (they were never
+    unpacked), and the holders kept the block's checkpoint, its saved input with it, past the block's backward:
+    under full recomputation 4 dim + 4 E + 4 bytes per token and MoE layer, summed over the layers (tests/unit/
+    test_zloss_recompute_memory119.py). Here the weights, which the layer's output reads in every backward, pass
+    through the node that saved them, so it runs in the block's backward whatever the caller backwards, and frees
+    them there, as the router's own ops free theirs; a missing sum's gradient is none (not a zero tensor)."""
+
+    @staticmethod
+    def forward(ctx, weights, probs, logits, weight, z_grad: bool):
+        ctx.set_materialize_grads(False)
+        prob_sum = probs.sum(0) if weight is None else (probs * weight[:, None]).sum(0)
+        lse = logits.logsumexp(-1)
+        lse_sq = lse.square()
+        lse_sq_sum = (lse_sq if weight is None else lse_sq * weight).sum()
+        ctx.z_grad, ctx.probs_shape = z_grad, probs.shape
+        ctx.save_for_backward(logits if z_grad else None, lse if z_grad else None, weight)
+        if not z_grad:
+            ctx.mark_non_differentiable(lse_sq_sum)
+        return weights.view_as(weights), prob_sum, lse_sq_sum
+
+    @staticmethod
+    def backward(ctx, g_weights, g_prob_sum, g_lse_sq_sum):
+        logits, lse, weight = ctx.saved_tensors  # (unpacked in every backward: what frees them)
+        g_probs = g_logits = None
+        if g_prob_sum is not None:  # (as sum's and the product's own backward: expanded, times the weight)
+            g_probs = g_prob_sum.expand(ctx.probs_shape)
+            g_probs = g_probs if weight is None else g_probs * weight[:, None]
+        if g_lse_sq_sum is not None and ctx.z_grad:  # (as sum's, the product's, square's and logsumexp's)
+            g = g_lse_sq_sum.expand(lse.shape)
+            g = (g if weight is None else g * weight) * (2 * lse)
+            g_logits = g.unsqueeze(-1) * (logits - lse.unsqueeze(-1)).exp()
+        return g_weights, g_probs, g_logits, None, None
 
 
 def _rows(routing: Routing, counts: torch.Tensor, num_experts: int) -> torch.Tensor:
