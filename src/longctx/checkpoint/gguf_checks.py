@@ -69,12 +69,11 @@ def _rope_scaling(reader, arch: str) -> str | None:
     return None
 
 
-def check_filled(reader, config, arch: str, path: Path) -> None:
+def check_filled(reader, config, arch: str, path: Path, model) -> None:
     """transformers fills what a file's metadata lacks with its config class's defaults (a llama file
     without hyperparameters reads as a 32-layer Llama of 6.6B parameters) and finds the weights missing
     only after building that model in fp32 (26 GB, minutes). Refuse a file whose tensors hold fewer values
     than the model its metadata describes has parameters, counted on the meta device (no memory)."""
-    model = _meta_model(config)
     if model is None:  # (load_model's own check follows)
         return
     need = sum(p.numel() for p in model.parameters())
@@ -157,7 +156,7 @@ def processed_shape(config, arch: str, name: str, shape: tuple[int, ...]) -> tup
     return tuple(processor.process(weights=np.zeros(shape, np.float32), name=name).weights.shape)
 
 
-def _meta_model(config):
+def meta_model(config):
     """transformers' model of `config` on the meta device (shapes, no memory); None when it cannot build one."""
     import transformers
 
@@ -168,7 +167,7 @@ def _meta_model(config):
         return None
 
 
-def check_tensors(reader, config, arch: str, path: Path) -> None:
+def check_tensors(reader, config, arch: str, path: Path, model) -> None:
     """Refuse a file whose tensors are not the ones its metadata's model has, naming them: a tensor of another shape
     failed inside transformers (a RuntimeError pointing at its load report) after every weight was dequantized, and
     a missing one was refused only by the parameter count of check_filled, which names no tensor. Tensors are
@@ -181,7 +180,6 @@ def check_tensors(reader, config, arch: str, path: Path) -> None:
         )
     except ImportError:
         return
-    model = _meta_model(config)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     if model is None or getattr(processor, "GGUF_MOE_WEIGHTS_PATTERN", None) is not None:
         return

@@ -23,6 +23,7 @@ The directory is written under a temporary name beside DIR and renamed when comp
 from __future__ import annotations
 
 import gc
+import json
 import os
 import re
 import shutil
@@ -45,6 +46,7 @@ from .gguf_checks import (  # noqa: F401  (GGUFImportError: imported from here t
     check_shared_gate,
     check_sizes_read,
     check_tensors,
+    meta_model,
 )
 
 # what transformers needs to read a GGUF: the file format (gguf) and its loading hooks (accelerate)
@@ -259,8 +261,6 @@ def drop_invented_tokens(directory: Path, file_tokens: int) -> None:
     (gpt2) tokenizer adds GPT-2's `<|endoftext|>` as id `file_tokens` when the file does not list it (a Llama 3
     file, say). The model has no embedding row for that id, so the text "<|endoftext|>" crashed it (index out of
     range) and training refused the tokenizer as larger than model.vocab_size."""
-    import json
-
     tokenizer = directory / "tokenizer.json"
     if not tokenizer.is_file():
         return
@@ -294,8 +294,9 @@ def import_gguf(source: str | Path, out: str | Path, dtype: str = "auto", force:
     config = read_config(path)
     check_sizes_read(reader, config, arch, path)
     check_shared_gate(reader, config, arch, path)
-    check_tensors(reader, config, arch, path)
-    check_filled(reader, config, arch, path)
+    meta = meta_model(config)  # (shapes only, built once for both checks; None where transformers cannot)
+    check_tensors(reader, config, arch, path, meta)
+    check_filled(reader, config, arch, path, meta)
     stored: dict[str, int] = {}
     for t in reader.tensors:
         stored[t.tensor_type.name] = stored.get(t.tensor_type.name, 0) + 1
