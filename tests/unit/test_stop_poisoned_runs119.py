@@ -12,7 +12,7 @@ inside a character, ends where its whole text (continuation_text) first holds a 
 ended early before this change too: after a prompt ending in a stray <0xE6>, the row's first bytes (valid on their
 own: "\n\n\nAAA\n\n") are U+FFFD in its text, but a tail begun inside them read them as text, and --stop "\n"
 ended the row at its 11th token, 3 before its first newline (the exact tail now reads such a run after the
-prompt, as the line does). 1 row in about 600 drawn here."""
+prompt, as the line does). 1 row in about 600 of its first draws (now test_review119a's rows)."""
 
 import random
 
@@ -20,8 +20,9 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
-from test_generate_audit2_stop_byte_runs import PIECES, _llama_like  # noqa: E402
+from test_generate_audit2_stop_byte_runs import _llama_like  # noqa: E402
 from test_review118b import _Counting  # noqa: E402
+from test_review119a import _row  # noqa: E402
 
 from longctx.generate.output import StopStrings  # noqa: E402
 from longctx.generate.row_text import continuation_text  # noqa: E402
@@ -49,23 +50,6 @@ def test_a_long_poisoned_run_costs_each_token_a_bounded_decoding(tmp_path):
     assert counted.decoded < 100 * len(tokens), f"{counted.decoded / len(tokens):.0f} ids decoded per token"
 
 
-def _row(rng: random.Random, ids: dict, special: int) -> list[int]:
-    parts: list[int] = []
-    for _ in range(rng.randint(1, 12)):
-        kind = rng.random()
-        if kind < 0.3:
-            parts.append(ids[rng.choice(PIECES)])
-        elif kind < 0.55:
-            parts.extend(rng.choice([list("€".encode()), list("é".encode()), [0x0A], [0x41]]) * rng.randint(1, 3))
-        elif kind < 0.75:
-            parts.extend([0x0A] * rng.randint(1, 4))
-        elif kind < 0.9:
-            parts.append(rng.choice([0xE6, 0x80, 0xC3]))  # a stray lead byte or a lone continuation byte
-        else:
-            parts.append(special)
-    return parts
-
-
 def test_rows_end_where_their_whole_text_first_holds_a_stop_string(tmp_path):
     tok, ids = _llama_like(tmp_path / "tokenizer.json")
     special = tok.special_tokens()["</s>"]
@@ -74,9 +58,7 @@ def test_rows_end_where_their_whole_text_first_holds_a_stop_string(tmp_path):
                [ids["Answer:"], 0x0A]]  # the last two end inside a character or on a newline byte
     checked = ended_somewhere = 0
     for _ in range(2000):
-        prompt, tokens = rng.choice(prompts), _row(rng, ids, special)
-        if rng.random() < 0.3:
-            tokens = [0x80, 0x80, *tokens]  # the rest of a character the prompt may have begun
+        prompt, tokens = rng.choice(prompts), _row(rng, ids, special)  # (a leading <0x80><0x80> at times)
         stop_list = rng.choice([["\n\n"], ["\n"], ["yes\n"], ["\ufffd\n"], ["€\n", "no"]])
         stops = StopStrings(tok, stop_list)
         stops.rows([prompt])
