@@ -20,11 +20,17 @@ class GGUFImportError(UserError, ValueError):
     exit_code = 2
 
 
+# llama.cpp's architecture names of the families longctx reads (config/hf_families.py) that transformers' GGUF reader
+# reads too: any other is refused before transformers reads the file's metadata
+IMPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+
+
 def check_architecture(arch: str, path: Path) -> None:
-    """Refuse an architecture the installed `gguf` package has no tensor names for: transformers' reader maps a
+    """Refuse an architecture the installed `gguf` package has no tensor names for (transformers' reader maps a
     file's tensors through them and raised NotImplementedError (a traceback) only once loading had begun. A file
     stating `mistral` is one: llama.cpp writes Mistral 7B-style models as `llama` (Mistral 3 ones as
-    `mistral3`, which gguf-py names but transformers' reader refuses, read_config), and gguf-py has no `mistral`."""
+    `mistral3`, which gguf-py names but transformers' reader refuses), and gguf-py has no `mistral`), and one
+    longctx does not import (IMPORTED_ARCHITECTURES)."""
     from importlib.metadata import version
 
     import gguf
@@ -35,6 +41,13 @@ def check_architecture(arch: str, path: Path) -> None:
                               f"transformers' GGUF reader cannot read its tensors. llama.cpp writes Llama-style "
                               f"models (Mistral 7B's too) as 'llama': convert the model again with llama.cpp's "
                               f"convert_hf_to_gguf.py, or use its Hugging Face release (hf:DIR).")
+    if arch not in IMPORTED_ARCHITECTURES:
+        # (transformers' reader failed on some with a bare KeyError, 'qwen35.attention.key_length', on others
+        # after building the config; neither named the way out)
+        raise GGUFImportError(f"{path.name} states general.architecture = {arch!r}, which longctx does not import: "
+                              f"it imports GGUF files of {', '.join(IMPORTED_ARCHITECTURES)} (llama.cpp writes "
+                              f"Mistral 7B-style models as 'llama'). If longctx reads the model's family in a "
+                              f"Hugging Face release (docs/checkpoints.md), pass hf:DIR of that release instead.")
 
 
 def check_rope(reader, arch: str, path: Path) -> None:
@@ -83,6 +96,13 @@ def check_filled(reader, config, arch: str, path: Path, model) -> None:
                               f"a model of {need:,} parameters ({_sizes(config)}), and the file holds {have:,} "
                               f"values{_defaults_note(reader, arch)}. Convert the model again with llama.cpp's "
                               f"convert_hf_to_gguf.py, or use its Hugging Face release (hf:DIR).")
+    if arch not in IMPORTED_ARCHITECTURES:
+        # (transformers' reader failed on some with a bare KeyError, 'qwen35.attention.key_length', on others
+        # after building the config; neither named the way out)
+        raise GGUFImportError(f"{path.name} states general.architecture = {arch!r}, which longctx does not import: "
+                              f"it imports GGUF files of {', '.join(IMPORTED_ARCHITECTURES)} (llama.cpp writes "
+                              f"Mistral 7B-style models as 'llama'). If longctx reads the model's family in a "
+                              f"Hugging Face release (docs/checkpoints.md), pass hf:DIR of that release instead.")
 
 
 def _sizes(config) -> str:

@@ -151,7 +151,11 @@ def read_config(path: Path):
 
     try:
         config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-    except (ValueError, KeyError, NotImplementedError) as e:
+    except KeyError as e:  # (a bare KeyError names only the key: 'llama.attention.head_count')
+        raise GGUFImportError(f"transformers cannot read {path.name}: its metadata lacks the key {e} that "
+                              f"transformers' GGUF reader needs (a file converted by another tool, or damaged); "
+                              f"convert the model again with llama.cpp's convert_hf_to_gguf.py.") from None
+    except (ValueError, NotImplementedError) as e:
         raise GGUFImportError(f"transformers cannot read {path.name}: {e}") from None
     try:
         config_from_hf(config.to_dict(), f"{path.name} (as transformers reads it)")
@@ -251,25 +255,29 @@ def write_tokenizer(path: Path, directory: Path, file_tokens: int | None = None)
                     f"tokenizer.json to longctx generate, or copy the model's tokenizer files into the directory")
     before = {p.name for p in directory.iterdir()}
     tokenizer.save_pretrained(directory)
-    if file_tokens is not None:
-        drop_invented_tokens(directory, file_tokens)
+    drop_invented_tokens(directory, file_tokens)
     return sorted({p.name for p in directory.iterdir()} - before), ""
 
 
-def drop_invented_tokens(directory: Path, file_tokens: int) -> None:
-    """Remove the added tokens that transformers' GGUF reader invents past the file's vocabulary: its byte-level
-    (gpt2) tokenizer adds GPT-2's `<|endoftext|>` as id `file_tokens` when the file does not list it (a Llama 3
-    file, say). The model has no embedding row for that id, so the text "<|endoftext|>" crashed it (index out of
-    range) and training refused the tokenizer as larger than model.vocab_size."""
+def drop_invented_tokens(directory: Path, file_tokens: int | None) -> None:
+    """Remove the added tokens that transformers' GGUF reader invents past the file's vocabulary (`file_tokens`; None:
+    the file lists none, nothing removed): its byte-level (gpt2) tokenizer adds GPT-2's `<|endoftext|>` as id
+    `file_tokens` when the file does not list it (a Llama 3 file, say). The model has no embedding row for that id,
+    so the text "<|endoftext|>" crashed it (index out of range) and training refused the tokenizer as larger than
+    model.vocab_size. tokenizer.json is written compact either way: the tokenizers library saves it indented, its
+    merges one string a line, 9.7 MB where compact is 4.1 MB for a 140K-token BPE vocabulary, and every run that
+    reads it parses the white space too."""
     tokenizer = directory / "tokenizer.json"
     if not tokenizer.is_file():
         return
     spec = json.loads(tokenizer.read_text(encoding="utf-8"))
-    invented = {t["content"] for t in spec.get("added_tokens", []) if t["id"] >= file_tokens}
+    kept = [t for t in spec.get("added_tokens", []) if file_tokens is None or t["id"] < file_tokens]
+    invented = {t["content"] for t in spec.get("added_tokens", [])} - {t["content"] for t in kept}
+    if "added_tokens" in spec:
+        spec["added_tokens"] = kept
+    tokenizer.write_text(json.dumps(spec, ensure_ascii=False, separators=(",", ":")), encoding="utf-8")
     if not invented:
         return
-    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["id"] < file_tokens]
-    tokenizer.write_text(json.dumps(spec, ensure_ascii=False, indent=2), encoding="utf-8")
     settings = directory / "tokenizer_config.json"
     if settings.is_file():  # (a bos / eos / unk / pad token named as an invented one names none)
         config = json.loads(settings.read_text(encoding="utf-8"))

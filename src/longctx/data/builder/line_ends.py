@@ -1,11 +1,13 @@
 """A .jsonl unit's lines: where they end (LF, CRLF, or CR alone: classic Mac OS) and whether the unit is in UTF-16 or
 UTF-32 (skipped whole by readers.py, which reads the lines; by its byte-order mark, or without one where its start
-reads as JSON in it)."""
+reads as JSON in it; a unit of white space alone in one is no skip, as a UTF-8 one of blank lines is none), and the
+records of a line that files joined without a newline made one (`cat a.jsonl b.jsonl`, b saved with a UTF-8 mark)."""
 
 from __future__ import annotations
 
 import codecs
 import itertools
+import json
 from collections.abc import Iterable, Iterator
 
 LINE_END_LOOKAHEAD = 1 << 20  # bytes of a jsonl unit that tell its line ends (_line_end) and its encoding (wide_head)
@@ -74,15 +76,35 @@ def wide_encoding(head: bytes) -> str | None:
     b"\\0\\n\\0\\n{" a UTF-8 file led by NUL lines (its records were lost, skipped as UTF-16). Nor the ASCII count
     alone (375f4889): a record whose first key is long and in CJK has 2 in 64 bytes, `{}` 3, and such a file was
     read as one bad line a line, not named."""
+    codec = wide_codec(head)
+    return None if codec is None else family(codec)
+
+
+def family(codec: str) -> str:
+    """"UTF-16" or "UTF-32": the encoding a codec of _WIDE (or "utf-16", "utf-32": by the mark) is in."""
+    return "UTF-32" if "32" in codec else "UTF-16"
+
+
+def marked_codec(data: bytes) -> str | None:
+    """The codec of the UTF-16 / UTF-32 byte-order mark that `data` starts with ("utf-16", "utf-32": Python's codec
+    reads the mark and its byte order), else None."""
+    if data.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):  # (UTF-16LE's mark starts UTF-32LE's)
+        return "utf-32"
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return "utf-16"
+    return None
+
+
+def wide_codec(head: bytes) -> str | None:
+    """wide_encoding's finding as the codec that reads the unit: "utf-16" / "utf-32" by a mark, a codec of _WIDE by
+    a guess, None for UTF-8."""
     if head.startswith(codecs.BOM_UTF8):  # (the rules below give None too: its bytes read as no `{` in any of them)
         return None
-    if head.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):  # (UTF-16LE's mark starts UTF-32LE's)
-        return "UTF-32"
-    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
-        return "UTF-16"
+    if (marked := marked_codec(head)) is not None:
+        return marked
     if b"\x00" not in head:  # (every ASCII character of UTF-16 / UTF-32 has a zero byte)
         return None
-    return next((name for name, codec in _WIDE if _json_start(head, codec)), None)
+    return next((codec for _, codec in _WIDE if _json_start(head, codec)), None)
 
 
 def _json_start(head: bytes, codec: str) -> bool:
@@ -98,20 +120,95 @@ def _json_start(head: bytes, codec: str) -> bool:
 
 
 def wide_head(lines: Iterator[bytes]) -> tuple[str | None, list[bytes]]:
-    """(wide_encoding of a jsonl unit's first HEAD_BYTES bytes past its leading blank lines, within its first
+    """(wide_codec of a jsonl unit's first HEAD_BYTES bytes past its leading blank lines, within its first
     LINE_END_LOOKAHEAD bytes, the lines read). Not its first line alone: a UTF-16 file whose first line is blank
     starts that line with its newline's other byte (b"" or b"\\x00"), too short to tell (one bad line a line);
-    nor its first non-blank line alone: `{` and white space may fill it."""
+    nor its first non-blank line alone: `{` and white space may fill it. Where all it read is white space and zero
+    bytes, the codec in which that is JSON white space (no U+0000): a UTF-16 unit of blank lines (each of its lines
+    read as UTF-8 held a zero byte and was counted as a bad line) or one whose white space runs past the first MiB."""
     read: list[bytes] = []
-    size, lead = 0, None  # (lead: the bytes before the first non-blank byte, once it is read)
+    size, lead, whole = 0, None, True  # (lead: the bytes before the first non-blank byte, once it is read)
     for line in lines:
         if lead is None and line.strip(_BLANK):
             lead = size + len(line) - len(line.lstrip(_BLANK))
         read.append(line)
         size += len(line) + 1
         if (lead is not None and size >= lead + HEAD_BYTES) or size >= LINE_END_LOOKAHEAD:
+            whole = False
             break
     # (each b"\n" the split took out put back: the head's bytes as they are in the file, which a decoder reads; each
     # line cut first, so that a long one is not copied whole)
     cut = LINE_END_LOOKAHEAD if lead is None else lead + HEAD_BYTES
-    return wide_encoding(b"\n".join(line[:cut] for line in read)[:cut]), read
+    head = b"\n".join(line[:cut] for line in read)[:cut]
+    return (wide_codec(head) if lead is not None else _white_space_codec(head, whole)), read
+
+
+def _white_space_codec(blank: bytes, whole: bool) -> str | None:
+    """The codec of _WIDE in which `blank` (white space and zero bytes alone; `whole`: all of the unit, else its
+    first MiB) is JSON white space, else None: a UTF-8 unit of blank lines (no zero byte), or of NUL lines (U+0000
+    in each), whose lines are read as such."""
+    if b"\x00" not in blank:  # (a UTF-16 / UTF-32 character of these bytes that is white space has a zero byte)
+        return None
+    for _, codec in _WIDE:
+        try:  # (final where it is the whole unit: b" \\x00" is no UTF-32, whose 4 bytes a unit it does not fill)
+            text = codecs.getincrementaldecoder(codec)("strict").decode(blank, final=whole)
+        except UnicodeDecodeError:
+            continue
+        if "\x00" not in text and not text.strip(_WS):
+            return codec
+    return None
+
+
+def holds_text(codec: str, head: Iterable[bytes], lines: Iterable[bytes]) -> bool:
+    """Whether a wide unit's lines (`head`, then `lines`: split at b"\\n", read on from there) hold more than JSON
+    white space in `codec`. A unit of white space alone gives no record in any encoding: no skip, as a UTF-8 one of
+    blank lines is none. Reads up to the first character that is not white space (the head's, in a unit of
+    records); bytes that are no text in `codec` count as text."""
+    decoder = codecs.getincrementaldecoder(codec)("strict")
+    try:
+        for n, line in enumerate(itertools.chain(head, lines)):
+            if decoder.decode(b"\n" + line if n else line).strip(_WS):
+                return True
+        return bool(decoder.decode(b"", final=True).strip(_WS))
+    except UnicodeDecodeError:
+        return True
+
+
+_DECODER = json.JSONDecoder()
+
+
+def joined_records(text: str) -> tuple[list, bool]:
+    """(the JSON values of a line that holds several, each after a UTF-8 byte-order mark, in order; whether any of
+    its parts is no JSON value). Only for a line that is no JSON as a whole: `cat a.jsonl b.jsonl` where a.jsonl
+    ends without a newline and b.jsonl starts with a mark joins a's last record and b's first in one line, both lost
+    as one bad line. A mark outside a JSON string is no JSON, so a part ends where its value does and the next
+    mark follows; a mark in a string is read as the value's own. A part that is no value is passed over to the
+    next mark (a record cut short, then the next file)."""
+    values, bad, pos, size = [], False, 0, len(text)
+    while True:
+        pos = _skip_white_space(text, pos)
+        if pos < size and text[pos] == "\ufeff":
+            pos += 1
+            continue
+        if pos >= size:
+            return values, bad
+        try:
+            value, end = _DECODER.raw_decode(text, pos)
+        except ValueError:
+            end = pos + 1
+        else:
+            end = _skip_white_space(text, end)
+            if end >= size or text[end] == "\ufeff":
+                values.append(value)
+                pos = end
+                continue
+        bad = True
+        pos = text.find("\ufeff", end)
+        if pos < 0:
+            return values, bad
+
+
+def _skip_white_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in _WS:
+        pos += 1
+    return pos

@@ -25,8 +25,10 @@ a corrupt parquet or arrow file, a corrupt compressed file (bad gzip / zstd data
 stream, an empty file) or one that cannot be opened or read (permissions, an I/O error part-way) is
 skipped and counted under its reason, and its name is recorded (`damaged`). A .jsonl file in UTF-16 or UTF-32 is
 skipped whole, one skip, named as well (told from its start, blank lines and the 64 bytes after them: a byte-order
-mark, or without one a start that reads as JSON in it, line_ends.wide_encoding); one with CR line ends (no LF in
-its first MiB) is split at CR (and LF). A UTF-8 BOM at a line's start is dropped (files joined: `cat a b`).
+mark, or without one a start that reads as JSON in it, line_ends.wide_encoding; also a UTF-16 / UTF-32 mark at a
+later line's start, such a file joined after UTF-8 lines), unless it holds white space alone (no skip, as for UTF-8
+blank lines); one with CR line ends (no LF in its first MiB) is split at CR (and LF). A UTF-8 BOM at a line's start
+is dropped (files joined: `cat a b`), and within a line it parts the records that joined files put in one.
 A file found damaged part-way has already yielded the documents before the damage (a stream cannot
 take them back), but they are not to be trusted: gzip and zstd find damage only at the end of a
 block or frame (its checksum), after the text before it came out wrong. So the readers' callers
@@ -50,7 +52,7 @@ from itertools import accumulate
 from pathlib import Path
 
 from .corpus import Document
-from .line_ends import split_lines, wide_head
+from .line_ends import family, holds_text, joined_records, marked_codec, split_lines, wide_head
 from .table_readers import data_extra, import_pyarrow, iter_arrow, iter_parquet
 
 COMPRESSION_SUFFIXES = {".gz", ".zst"}
@@ -65,10 +67,13 @@ SKIP_REASONS = {
     "binary": "binary",                          # a NUL byte in the first 8 KiB
     "invalid_utf8": "not UTF-8",                 # also a JSON string "\ud800" (a lone surrogate)
     # a .jsonl file in UTF-16 / UTF-32 (a byte-order mark, or a JSON start in it): skipped whole, counted once
+    # (a mark after UTF-8 lines: files joined; iconv of the whole file garbles it)
     "utf16_file": "UTF-16 .jsonl file (convert it to UTF-8: iconv -f UTF-16 -t UTF-8 IN > OUT; without a "
-                  "byte-order mark -f UTF-16LE, or -f UTF-16BE where its first byte is 0)",
+                  "byte-order mark -f UTF-16LE, or -f UTF-16BE where its first byte is 0; one whose mark follows "
+                  "UTF-8 lines, files joined: convert the part from the mark on)",
     "utf32_file": "UTF-32 .jsonl file (convert it to UTF-8: iconv -f UTF-32 -t UTF-8 IN > OUT; without a "
-                  "byte-order mark -f UTF-32LE, or -f UTF-32BE where its first byte is 0)",
+                  "byte-order mark -f UTF-32LE, or -f UTF-32BE where its first byte is 0; one whose mark follows "
+                  "UTF-8 lines, files joined: convert the part from the mark on)",
     "other_suffix": "unsupported suffix",        # a file of a kind no reader takes (e.g. .png, .parquet.gz)
     "bad_json_line": "unparsable JSON line",     # also a line that is not a JSON object
     "missing_text_field": "no text field",       # a record without the text field, or a non-string value
@@ -303,21 +308,24 @@ def jsonl_lines(f, compression: str | None, path: Path) -> Iterator[bytes]:
     return split_lines(_chunks(f, compression, path))
 
 
-def jsonl_records(lines: Iterable[bytes], skipped: Counter) -> Iterator[tuple[int, dict]]:
+def jsonl_records(lines: Iterable[bytes], skipped: Counter) -> Iterator[tuple[int | str, dict]]:
     """(line number from 1, record) of a jsonl unit's lines, each JSON object a line holds; what is no record is
-    counted into `skipped`, and a unit in UTF-16 or UTF-32 (wide_head) is one skip and gives none. The build's
-    reading and the missing-field hint's (field_hint.py) are this one."""
+    counted into `skipped`, and a unit in UTF-16 or UTF-32 (wide_head), or with a part in one after its UTF-8 lines,
+    is one skip and gives none past that part's start (none at all: it is named with the damaged files). A unit of
+    white space alone in UTF-16 / UTF-32 is no skip, as a UTF-8 one of blank lines is none. The records of a line
+    that files joined without a newline made one (line_ends.joined_records) are numbered LINE, LINE.2, ... The
+    build's reading and the missing-field hint's (field_hint.py) are this one."""
     lines = iter(lines)
-    wide, head = wide_head(lines)
-    if wide:
+    codec, head = wide_head(lines)
+    if codec:
         # (read as UTF-8 each of its lines was one more bad line, thousands of them: the file, skipped whole,
         # is one skip, named with the damaged files, that says how to convert it)
-        skipped["utf16_file" if wide == "UTF-16" else "utf32_file"] += 1
+        if holds_text(codec, head, lines):
+            skipped[_WIDE_SKIPS[family(codec)]] += 1
         return
     for i, line in enumerate(itertools.chain(head, lines), start=1):
         # A UTF-8 BOM at a line's start (a file's start, or where files were concatenated, the second saved with
-        # one) is dropped before the line is read, a blank one too; anywhere else it is no JSON (a bad line). A
-        # UTF-16 / UTF-32 one there is no UTF-8: that line and those after it in that encoding are bad lines.
+        # one) is dropped before the line is read, a blank one too; within a line, joined_records reads it.
         line = line.removeprefix(b"\xef\xbb\xbf")
         if not line.strip():
             continue
@@ -327,16 +335,41 @@ def jsonl_records(lines: Iterable[bytes], skipped: Counter) -> Iterator[tuple[in
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError:
-            skipped["invalid_utf8"] += 1
-            continue
-        try:
-            record = json.loads(text)
-        except ValueError:
-            record = None
-        if not isinstance(record, dict):
+            codec = marked_codec(line)
+            if codec is None:
+                skipped["invalid_utf8"] += 1
+                continue
+            # A UTF-16 / UTF-32 mark at a line's start: a file in that encoding joined after this one's UTF-8 lines
+            # (blank ones, or records): one skip, as a file in it is (its lines were one bad line each)
+            if holds_text(codec, [line], lines):
+                skipped[_WIDE_SKIPS[family(codec)]] += 1
+            return
+        yield from _line_records(i, text, skipped)
+
+
+_WIDE_SKIPS = {"UTF-16": "utf16_file", "UTF-32": "utf32_file"}
+
+
+def _line_records(i: int, text: str, skipped: Counter) -> Iterator[tuple[int | str, dict]]:
+    """(i, the record) of line `i`, or of a line that joined files made one, (i, LINE.2, ...); a bad line counted
+    once, however many of its parts are no record."""
+    try:
+        record = json.loads(text)
+    except ValueError:
+        if "\ufeff" not in text:  # (the usual bad line: no file joined in it)
             skipped["bad_json_line"] += 1
-            continue
+            return
+        values, bad = joined_records(text)
+        records = [v for v in values if isinstance(v, dict)]
+        if bad or not records or len(records) < len(values):
+            skipped["bad_json_line"] += 1
+        for k, record in enumerate(records, start=1):
+            yield (i if k == 1 else f"{i}.{k}"), record
+        return
+    if isinstance(record, dict):
         yield i, record
+    else:
+        skipped["bad_json_line"] += 1
 
 
 def _iter_jsonl(lines: Iterable[bytes], name: str, fields: list[tuple], accept, skipped: Counter) -> Iterator[Document]:
