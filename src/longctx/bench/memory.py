@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .. import strict_json
 from ..config import MemoryConfig, build_model_config, load_config
+from ..data.samples import IGNORE, Batch
 from ..errors import ConfigError
 from ..job.devices import code_record
 from ..job.dims import ParallelDims
@@ -35,6 +36,7 @@ from ..models.llama import build_model
 from ..parallel.context.sequence import shard_sequence
 from ..parallel.parallelize import apply_memory, use_sequence_parallel_attention
 from ..progress import Phase, phase, speaker
+from ..step.loss import router_loss, training_loss
 from .max_seq import HOST_OOM, check_search, is_host_oom, longest_sequence, longest_sequence_cpu, parse_bytes
 
 POLICIES = {
@@ -163,12 +165,21 @@ def _block_errors(measured: dict, est: dict, layers: list) -> dict:
     return worst
 
 
-def _one_step(model, inputs, device) -> float:
+def step_loss(model, inputs, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """What a training step backwards for these inputs as its one micro-batch (step/loss.py training_loss): the mean
+    loss over their labels and an MoE model's router terms. (With the LM loss alone, an MoE model's step was not
+    training's: neither the routers' balancing gradients nor their backward, which frees the router records.)
+    The router terms' scale is one process's: a gradient's size is no part of a memory or time figure."""
     tokens, positions, doc, labels = inputs
+    weight = 1 / (labels != IGNORE).sum().clamp(min=1)  # (on the device: no wait inside a timed step)
+    return training_loss(model, Batch(tokens, labels, positions, doc), autocast_dtype, weight, 1, 1.0)[0]
+
+
+def _one_step(model, inputs, device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
-    model(tokens, positions, doc, labels=labels).backward()
+    step_loss(model, inputs).backward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     model.zero_grad(set_to_none=True)
@@ -269,7 +280,8 @@ def _measure_policy(model, model_cfg, policy: str, fraction: float, args, seq: i
     the allocator's peak less `held`, the bytes of the other policies' models kept alive for the
     timing, which are on the same device but not this policy's)."""
     head, ctx = layout
-    measured = measure_activations(model, *inputs[:3], labels=inputs[3], backward=not args.no_backward)
+    measured = measure_activations(model, *inputs[:3], labels=inputs[3], backward=not args.no_backward,
+                                   extra_loss=lambda m: router_loss(m, 1, 1.0)[0])  # (as step_loss's)
     # the policy the model was built with (_build), the attention chunks and their offload included
     analytic_policy = MemoryPolicy(policy, fraction, args.skip_last, loss_chunk=args.loss_chunk,
                                    block_chunk=args.block_chunk if policy != "none" else 0,
@@ -326,8 +338,7 @@ def _probe_step(args, policy: str, fraction: float, seq: int) -> dict:
             model.init_rope()
         inputs = _batch(model_cfg.vocab_size, seq, args.micro_batch, args.docs, device, args.doc_len)
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            model(*inputs[:3], labels=inputs[3]).backward()
+        step_loss(model, inputs, torch.bfloat16 if cuda else None).backward()  # (training's autocast on CUDA)
         if cuda:
             torch.cuda.synchronize()
     except torch.OutOfMemoryError:

@@ -234,6 +234,15 @@ class AllToAllV(torch.autograd.Function):
         return back, None, None, None, None
 
 
+def all_to_all_v_grad(x: torch.Tensor, mesh, send_rows: list[int], recv_rows: list[int],
+                      label: str = "all_to_all_v") -> torch.Tensor:
+    """AllToAllV.apply, but over one rank x itself: a Function returning its input returns a view of it, which as
+    the experts' output (hierarchical dispatch, one rank a node) drew FSDP2's "FSDPExperts returned a view tensor"."""
+    if mesh.size() == 1 and list(send_rows) == list(recv_rows) == [x.shape[0]]:
+        return x
+    return AllToAllV.apply(x, mesh, send_rows, recv_rows, label)  # (which refuses splits that do not fit x)
+
+
 class PendingTransfer:
     """An all-to-all in flight (`all_to_all_v_async`); `wait()` returns its output once it has
     arrived: on an emulated link, once the modelled transfer is complete too."""

@@ -49,9 +49,12 @@ class _StorageTracker(TorchDispatchMode):
         return out
 
 
-def measure_activations(model, tokens, positions=None, doc_ids=None, labels=None, backward: bool = True) -> dict:
+def measure_activations(model, tokens, positions=None, doc_ids=None, labels=None, backward: bool = True,
+                        extra_loss=None) -> dict:
     """Run one forward (and backward) of `model` and report the bytes held for backward after the
-    forward: {"blocks": [{"device": B, "host": B}, ...], "model": {...}, "total_device", "total_host"}."""
+    forward: {"blocks": [{"device": B, "host": B}, ...], "model": {...}, "total_device", "total_host"}.
+    `extra_loss(model)`: a term (or None) the backward adds to the loss, made after the count (its tensors are
+    no activation): step/loss.py router_loss, so that an MoE model's backward is a training step's."""
     tracker = _StorageTracker()
     handles = []
     for i, block in enumerate(model.layers):
@@ -92,7 +95,8 @@ def measure_activations(model, tokens, positions=None, doc_ids=None, labels=None
     held = defaultdict(lambda: {"device": 0, "host": 0}, held)
     tracker.created.clear()
     if backward:
-        loss.backward()
+        term = None if extra_loss is None else extra_loss(model)
+        (loss if term is None else loss + term).backward()
     blocks = [dict(held.get(i, {"device": 0, "host": 0})) for i in range(len(model.layers))]
     return {
         "blocks": blocks,

@@ -63,9 +63,16 @@ def grouped_path(x: torch.Tensor, w: torch.Tensor) -> str:
     return "loop (forced)" if _FORCE_LOOP else "torch._grouped_mm" if _kernel_fits(x, w) else "loop"
 
 
+def _contiguous(grad: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm's backward refuses an expanded gradient (the gradient of a `.sum()`: strides 0)."""
+    # (an empty tensor counts as contiguous whatever its strides: an expanded one keeps its zero strides)
+    return grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)
+
+
 class _ContiguousGrad(torch.autograd.Function):
-    """The identity, whose backward hands on a contiguous gradient: torch._grouped_mm's backward
-    refuses an expanded one (the gradient of a `.sum()`: strides 0)."""
+    """The identity, whose backward hands on a contiguous gradient (_contiguous): the traced form only. Its
+    output is a view of its input (a Function returning its input returns a view of it), which is why eager
+    code hooks the kernel's output instead (kernel_grouped_mm)."""
 
     @staticmethod
     def forward(ctx, y):
@@ -73,8 +80,7 @@ class _ContiguousGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # (an empty tensor counts as contiguous whatever its strides: an expanded one keeps its zero strides)
-        return grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)
+        return _contiguous(grad)
 
 
 def kernel_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -84,7 +90,15 @@ def kernel_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) ->
     # The kernel trusts offs: rows past offs[-1] come back as uninitialised memory, and offsets past n
     # read beyond x, both silently (the loop's split refuses such counts). Checked on the device: no host read.
     torch._assert_async(offs[-1] == x.shape[0], "grouped_mm: the group counts must sum to the rows of x")
-    return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
+    y = torch._grouped_mm(x, w, offs=offs)
+    if torch.compiler.is_compiling():  # Dynamo refuses a hook whose result depends on strides (torch 2.13)
+        return _ContiguousGrad.apply(y)
+    # Eager: a hook on the kernel's own output, not an identity Function, whose output would be a view: FSDP2
+    # warned "FSDPExperts returned a view tensor" where it was the experts' output, and a view a Function
+    # returned refuses in-place writes. The same gradients, no copy of the output, no extra autograd node.
+    if y.requires_grad:
+        y.register_hook(_contiguous)
+    return y
 
 
 # Under torch.compile the kernel is traced through its meta function, which (torch 2.13) accepts bf16

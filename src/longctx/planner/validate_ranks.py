@@ -20,7 +20,7 @@ from ..parallel.context.shares import local_batch
 from ..parallel.fsdp.shard import grad_scale
 from ..parallel.parallelize import apply_memory, parallelize, use_sequence_parallel_attention
 from ..step.gradients import set_gradient_sync
-from ..step.loss import forward_loss_sum
+from ..step.loss import router_loss, training_loss
 from ..step.optimizer import make_optimizer
 from .validate_experts import install_expert_parallel
 from .validate_hier import LEVEL_DIMS
@@ -73,11 +73,12 @@ def setup_case(raw_cfg: dict):
 def train_step(cfg, rt, model, opt, batch, scale, zero_grad: bool = True) -> None:
     """One optimizer step: forward/backward of every micro-batch (gradients accumulate), AdamW. The
     micro-batches are cut anew each step, as the training loop's are (new tensors: nothing a
-    previous step attached to them, such as a planned sequence layout, carries over)."""
+    previous step attached to them, such as a planned sequence layout, carries over). Each micro-batch backwards
+    what training's does (step/loss.py training_loss): an MoE model's router terms included."""
     locals_ = micro_batches(cfg, rt, batch)
     for i, local in enumerate(locals_):
         set_gradient_sync(model, i == len(locals_) - 1 or cfg.memory.grad_sync == "micro_batch")  # as training
-        (forward_loss_sum(model, local, None) * scale).backward()
+        training_loss(model, local, None, scale, len(locals_), grad_scale(rt.dims))[0].backward()
     opt.step()
     if zero_grad:
         opt.zero_grad(set_to_none=True)
@@ -128,7 +129,8 @@ def case_worker(raw_cfg: dict, steps: int, warmup: int):
     apply_memory(bare, cfg.memory, "cpu")
     local = micro_batches(cfg, rt, batch)[0]
     comm.reset_counters()  # (the step's were read above): the hierarchy's levels in this forward and backward
-    got = measure_activations(bare, local.tokens, local.positions, local.doc_ids, labels=local.labels)
+    got = measure_activations(bare, local.tokens, local.positions, local.doc_ids, labels=local.labels,
+                              extra_loss=lambda m: router_loss(m, cfg.train.grad_accum, grad_scale(rt.dims))[0])
     out["activations"] = {"device": got["total_device"], "host": got["total_host"]}
     out["expert_counts"] = counts
     out["expert_levels"] = {d: v for d, v in comm.counters().items() if d in LEVEL_DIMS}

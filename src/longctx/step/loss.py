@@ -1,5 +1,7 @@
-"""The loss forward of a training step: the summed loss over a batch's valid labels, under autocast; and each
-label token's loss, for an evaluation that sums them by row (train/evaluation.py)."""
+"""The loss forward of a training step: the summed loss over a batch's valid labels, under autocast; the routers'
+balancing losses an MoE model adds to it; what one micro-batch backwards (training_loss: the planner's validation
+and `longctx bench memory` run the step training runs); and each label token's loss, for an evaluation that sums
+them by row (train/evaluation.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,27 @@ def forward_loss_sum(model: torch.nn.Module, batch, autocast_dtype: torch.dtype 
     """The summed loss over the batch's valid label tokens, each times its weight where the batch has
     weights (Batch.label_weights: train.loss_weighting = sequence); the caller normalises."""
     return _forward_with_labels(model, batch, autocast_dtype, "sum")
+
+
+def router_loss(model: torch.nn.Module, micro_batches: int, scale: float):
+    """After a micro-batch's forward: (the routers' balancing losses as its backward takes them, their RouterTerms)
+    (models/moe_stats.py), or (None, None) for a model without routers (dense). The loss is this rank's share, a mean
+    over the step's `micro_batches` times `scale` (parallel/fsdp/shard.py grad_scale), whatever the labels: as
+    training adds it (train/moe_hooks.py), which also sums the terms' statistics."""
+    terms = model.router_terms() if hasattr(model, "router_terms") else None
+    return (None, None) if terms is None else (terms.loss * (scale / micro_batches), terms)
+
+
+def training_loss(model: torch.nn.Module, batch, autocast_dtype: torch.dtype | None, weight,
+                  micro_batches: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what a training step backwards for one micro-batch, its summed LM loss): the summed loss times `weight`
+    (the step's gradient scale over its labels: float or tensor) plus router_loss. A caller that trains without
+    the step hooks (planner/validate_ranks.py, bench/memory.py) runs the step training runs: without the router
+    terms an MoE model's step had neither their gradients nor their backward (the router records it frees)."""
+    loss_sum = forward_loss_sum(model, batch, autocast_dtype)
+    term = router_loss(model, micro_batches, scale)[0]
+    total = loss_sum * weight
+    return (total if term is None else total + term), loss_sum
 
 
 def forward_token_losses(model: torch.nn.Module, batch, autocast_dtype: torch.dtype | None) -> torch.Tensor:

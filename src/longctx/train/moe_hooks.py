@@ -28,6 +28,7 @@ from ..models.moe import moe_layers
 from ..models.moe_eval_routing import eval_routing_note
 from ..parallel.expert.install import expert_placer, expert_step_notes
 from ..parallel.expert.placement import Placement
+from ..step.loss import router_loss
 from .hooks import StepHook
 from .model import model_kind
 from .router_metrics import RouterInterval, heatmap_every
@@ -62,12 +63,12 @@ class MoEStepHook(StepHook):
         self._step = _StepSums()
 
     def after_forward(self, micro_batches: int, scale: float) -> torch.Tensor | None:
-        terms = self.model.router_terms()
-        if terms is None:
-            return None
-        self._step.add(terms)
-        # the balancing losses: a mean over the micro-batches (one of padding adds 0: models/moe_stats.py)
-        return terms.loss * (scale / micro_batches)
+        # the balancing losses: a mean over the micro-batches (one of padding adds 0: models/moe_stats.py), as
+        # step/loss.py router_loss gives them to every step (the planner's validation and the memory bench too)
+        loss, terms = router_loss(self.model, micro_batches, scale)
+        if terms is not None:
+            self._step.add(terms)
+        return loss
 
     def after_optimizer(self, step: int, applied: torch.Tensor) -> None:
         s = self._step

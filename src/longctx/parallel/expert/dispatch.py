@@ -177,10 +177,10 @@ class ExpertParallelDispatcher(TokenDispatcher):
             return PipelinedExperts.apply(x, plan, run, *weights, *copies), None
         send_rows, recv = per_owner.sum(1).tolist(), received.tolist()  # the host read EP needs (split sizes)
         recv_rows = [sum(r) for r in recv]
-        got = comm.AllToAllV.apply(x, mesh, send_rows, recv_rows, "expert")
+        got = comm.all_to_all_v_grad(x, mesh, send_rows, recv_rows, "expert")
         back = _run_local_experts(got, recv, experts, weights, copies)
         if beside is None:
-            return comm.AllToAllV.apply(back, mesh, recv_rows, send_rows, "expert"), None
+            return comm.all_to_all_v_grad(back, mesh, recv_rows, send_rows, "expert"), None
         transfer = SplitTransfer(mesh, recv_rows, send_rows, "expert")
         token = StartAllToAllV.apply(back, transfer)
         s = beside()  # (and, in backward, its gradient while the results' gradients travel out)

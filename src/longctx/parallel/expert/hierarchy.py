@@ -111,9 +111,9 @@ class HierarchicalDispatcher(ExpertParallelDispatcher):
         recv_rows = comm.all_to_all(rows.view(nodes, 1), inter, label="expert_counts").view(-1).tolist()
         ids = torch.where(mask, choice[token], -1)
         w = torch.where(mask, weights[token], 0.0)
-        got = comm.AllToAllV.apply(flat.index_select(0, token), inter, send_rows, recv_rows, "expert_node")
+        got = comm.all_to_all_v_grad(flat.index_select(0, token), inter, send_rows, recv_rows, "expert_node")
         got_ids = comm.all_to_all_v(ids, inter, send_rows, recv_rows, label="expert_node")
-        got_w = comm.AllToAllV.apply(w, inter, send_rows, recv_rows, "expert_node")
+        got_w = comm.all_to_all_v_grad(w, inter, send_rows, recv_rows, "expert_node")
         # 2: one row per (received row, choice on this node), sorted by expert, for the node's owners
         base = comm.local_rank(inter) * per_node * local  # this node's first expert
         row, slot = (got_ids >= 0).nonzero(as_tuple=True)
@@ -130,5 +130,5 @@ class HierarchicalDispatcher(ExpertParallelDispatcher):
         pair_w = route.pair_weight.to(out.dtype)
         summed = RowSums.apply(out * pair_w[:, None], route.pair_row, route.received)
         # 4: back to the tokens' ranks, one row per (token, node), added up per token
-        back = comm.AllToAllV.apply(summed, self.inter, route.recv_rows, route.send_rows, "expert_node")
+        back = comm.all_to_all_v_grad(summed, self.inter, route.recv_rows, route.send_rows, "expert_node")
         return RowSums.apply(back.to(route.flat.dtype), route.token, route.flat.shape[0])
