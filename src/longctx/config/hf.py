@@ -160,6 +160,14 @@ def _moe_fields(hf: dict, family: str, where: str) -> dict[str, Any]:
     if experts <= 0:
         raise HFFormatError(f"{where}: {_hf_key('moe.experts', family, hf)}={experts}, a {family} without experts; "
                             f"longctx reads a dense model as its dense family (qwen2, qwen3, llama).")
+    top_k = d["num_experts_per_tok"]
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= experts:
+        # (transformers builds such a model and fails in its forward's top-k; read here, load_hf built it too and
+        # the run's rules named model.moe.top_k, a key the user never set)
+        count = _hf_key("moe.experts", family, hf)
+        raise HFFormatError(f"{where}: num_experts_per_tok={json.dumps(top_k)} with {count}={experts}: each token "
+                            f"chooses between 1 and {experts} experts, so no model computes it; set it to the number "
+                            f"of experts the weights were trained to choose.")
     dense = qwen_moe_dense_layers(d, where) if family in ("qwen2_moe", "qwen3_moe") else set()
     shared = int(d.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
     return {"moe.experts": int(experts), "moe.top_k": int(d["num_experts_per_tok"]), "moe.router": "softmax",
