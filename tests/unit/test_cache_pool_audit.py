@@ -191,7 +191,7 @@ def test_a_drafts_cache_is_leased_and_the_tokens_are_the_same_without_reuse(monk
     def all_runs():
         out = []
         # one compiled step for the pass's runs, as a process's generations share the one compile of the
-        # "inductor" backend (static_decode._compiled): a new counting backend per run traced every bucket
+        # "inductor" backend (models/compiled_copies.py): a new counting backend per run traced every bucket
         # of both models again in each of the six runs (~6x the tracing, no other difference)
         step = Counted() if compile else False
         for prompt in (_prompt(20, 1), _prompt(23, 2)):  # (one capacity: the second reuses the first's caches)

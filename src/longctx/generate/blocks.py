@@ -198,6 +198,7 @@ class BlockGraph:
         self.tokens = torch.empty(steps, rows, dtype=torch.long, device=device)  # step-major
         self.capture = capture_for(device)
         self.graph = None
+        self.copy = None  # the compiled copy a captured graph replays (models/compiled_copies.py)
         self.runs = 0
 
     def run(self, chosen: torch.Tensor, start: torch.Tensor, uniforms: torch.Tensor | None) -> torch.Tensor:
@@ -209,6 +210,9 @@ class BlockGraph:
             calls = self.cache.fast.calls
             self.graph = self.capture(self.steps_)
             self.cache.fast.calls = calls  # (a capture records the steps; the replay below runs them)
+            # the replay launches that copy's kernels: held while the graph is, whatever the copies' bound drops
+            self.copy = self.cache.fast.copy(next_token, chosen.device, 1, True,
+                                             step_variant(self.model(), self.cache, self.sampling, False))
         if self.graph is not None:
             self.graph.replay()
             self.cache.fast.calls += self.steps

@@ -339,8 +339,8 @@ def _warm_up_draft(step, model, draft, request: GenerateRequest, args, backend) 
 def _note_recompiles(watch, results, start: int, main_rank: bool) -> None:
     """The compiles since the last batch (after the warm-up, which compiles what the run's shapes need): each
     said with its function and the guard that failed, their count on each of the batch's results. Past dynamo's
-    recompile limit a --compile step (fullgraph) is an error of torch's, not an eager fallback. (watch None:
-    no --compile.)"""
+    recompile limit the step's copy decodes eagerly where its graphs do not serve (models/compiled_copies.py,
+    which warns once): said as such. (watch None: no --compile.)"""
     from ..models.recompiles import recompile_limit
 
     if watch is None:
@@ -351,6 +351,11 @@ def _note_recompiles(watch, results, start: int, main_rank: bool) -> None:
     if not main_rank:
         return
     for r in recompiles:
+        if r.limit_hit:
+            say(f"generate: --compile: {r.function} reached torch._dynamo's recompile limit ({recompile_limit()}) "
+                f"in the batch from prompt {start + 1} (the guard that failed: {r.reason}); it decodes eagerly from "
+                f"now on wherever its compiled graphs do not serve a call: the same tokens, at eager speed.")
+            continue
         say(f"generate: --compile: {r.function} compiled again for the batch from prompt {start + 1} (the guard "
             f"that failed: {r.reason}); the warm-up is meant to compile every graph the run needs, so each "
             f"recompile is a compile inside a timed generation (its decode_tokens_per_s) and counts towards "

@@ -64,7 +64,9 @@ class RecompileWatch:
             frame = str(r.compile_id or "").lstrip("!").split("/")[0]
             if r.co_name:
                 self._names[frame] = _function(r)  # (the latest: dynamo numbers frames anew after a reset)
-            limit_hit = r.fail_type == "Unsupported" and "recompile limit" in (r.fail_reason or "").lower()
+            # (fullgraph code, as the compiled decode's copies, fails with its own type: models/compiled_copies.py)
+            limit_hit = (r.fail_type == "Unsupported" and "recompile limit" in (r.fail_reason or "").lower()
+                         or r.fail_type == "FailOnRecompileLimitHit")
             if r.recompile_reason is None and not limit_hit:
                 continue  # a first compile, a backward's, or an inductor runtime record
             name = _function(r) if r.co_name else self._names.get(frame, "a compiled function")

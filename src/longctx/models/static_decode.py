@@ -20,12 +20,15 @@ CUDA graph per length, without compiling): every capacity up to the model's max_
 131072 slots, 56 capacities of generate/cache_pool.py) is one graph. tests/unit/test_compiled_decode.py
 counts the compilations and holds the tokens to the eager path's.
 
-Dynamo keeps graphs, and counts recompiles against its limit (8; with fullgraph, as here, a hit is an
-error, FailOnRecompileLimitHit), per code object. So each function is compiled as a copy of its code
-per bucket and per `variant`, what the caller knows changes the graph (`_compiled`): the model's
-config and cache dtype, final_norm, the sampling branches of `next_token`. What is left to one code
-object is a batch of 1 and then any other batch (dynamic) and, for a sampled step, the first change of
-each sampling value (made dynamic): at most 6 graphs (tests/unit/test_leftovers119_compile.py).
+Dynamo keeps graphs, and counts recompiles against its limit (8), per code object. So each function is
+compiled as a copy of its code per bucket and per `variant`, what the caller knows changes the graph
+(models/compiled_copies.py): the model's graph key (`model_key`: its config but for what reaches the
+graphs only as tensors, such as rope_theta), the cache dtype, final_norm, the sampling branches of
+`next_token`. What is left to one code object is a batch of 1 and then any other batch (dynamic) and,
+for a sampled step, the first change of each sampling value (made dynamic): at most 6 graphs
+(tests/unit/test_leftovers119_compile.py). A process keeps at most COMPILED_COPIES (64) copies, the
+least recently called dropped; a copy that still reaches the limit warns once and decodes eagerly
+where its graphs do not serve (tests/unit/test_compiledec120.py).
 
 The step is installed on a KVCache after its prefill (generate/loop.py: `cache.fast`); the model's
 cached forward (models/llama.py) hands it every call it `handles`, and runs the eager path (the
@@ -37,9 +40,7 @@ its chunks are compute, and each chunk length would be a graph. A cache sharded 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import types
 import weakref
 
 import numpy as np
@@ -47,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from .cached_attention import CacheStep, group_queries, to_device, ungroup_heads
+from .compiled_copies import CompiledCopy, compiled_copy
 from .llama import Llama, rope_cos_sin
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # new tokens per compiled call, padded up to the next
@@ -156,12 +158,17 @@ class CompiledStep:
         `graphed_by_caller`: the caller captures the calls in a CUDA graph of its own (generate/blocks.py
         BlockGraph: a block of steps, one replay), so on a GPU `fn` is compiled without torch.compile's
         CUDA graphs (a graph cannot be captured inside another's capture). `variant`: hashable, what of
-        `args` makes another graph (`_compiled`), each variant a code object of its own."""
-        compiled = _compiled(fn, *self._settings(device, graphed_by_caller), padded, (device.type, *variant))
+        `args` makes another graph (models/compiled_copies.py), each variant a code object of its own."""
+        compiled = self.copy(fn, device, padded, graphed_by_caller, variant)
         if device.type == "cuda" and not graphed_by_caller:
             torch.compiler.cudagraph_mark_step_begin()
         self.calls += 1
         return compiled(*args)
+
+    def copy(self, fn, device: torch.device, padded: int, graphed_by_caller: bool = False,
+             variant: tuple = ()) -> CompiledCopy:
+        """The compiled copy `launch` runs for these arguments (models/compiled_copies.py)."""
+        return compiled_copy(fn, *self._settings(device, graphed_by_caller), padded, (device.type, *variant))
 
     def _settings(self, device: torch.device, graphed_by_caller: bool = False) -> tuple:
         if graphed_by_caller and device.type == "cuda" and self.mode in (None, "reduce-overhead"):
@@ -184,48 +191,34 @@ class CompiledStep:
         return out
 
 
-def _renamed(code: types.CodeType, name: str) -> types.CodeType:
-    """`code` under another name (its qualified name too where the code object has one: Python 3.11+;
-    3.10, which the project supports, has no co_qualname and refused the keyword)."""
-    return code.replace(co_name=name, **({"co_qualname": name} if hasattr(code, "co_qualname") else {}))
-
-
-@functools.cache
-def _compiled(function, mode: str | None, backend, cpp_wrapper: bool, padded: int, variant: tuple = ()):
-    """One torch.compile of a static function (the static forward; generate/blocks.py's decode step with
-    its choice) per setting, bucket and variant, shared by every CompiledStep (its graphs then serve every
-    generation of the process). Dynamo keeps graphs, and counts recompilations against its limit, per
-    code object: a copy of the function's code per bucket keeps each bucket's token count static (a
-    change of it would otherwise make it a dynamic dimension), and a copy per variant (the device type,
-    the model's config, the cache's dtype; the sampling branches) keeps what changes a graph on purpose
-    off the limit: with one copy per bucket, 9 sampling settings in one process (greedy; top-k, top-p,
-    min-p each on or off) compiled `next_token_1` 8 times and the 9th generation failed with
-    FailOnRecompileLimitHit. On a CPU, kernels of one decode step are too small to share among threads
-    (`cpp.threads` 1; the GEMMs keep torch's threads)."""
-    code = function.__code__
-    name = f"{code.co_name}_{padded}"
-    fn = types.FunctionType(_renamed(code, name), function.__globals__, name)
-    return torch.compile(fn, mode=mode, backend=backend, fullgraph=True,
-                         options={"cpp_wrapper": True, "cpp.threads": 1} if cpp_wrapper else None)
-
-
 _MODEL_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# where a model's weights came from and how they were initialised: no graph reads them. In the key, every
-# checkpoint of one architecture (generate/loading.py: model.init_from is the checkpoint's path) compiled all its
-# graphs again, and kept them for the rest of the process, where one code object's graphs served them all
-_NOT_IN_GRAPHS = frozenset({"preset", "init_from", "init_std"})
+# where a model's weights came from and how they were initialised, and the length it is meant for: no graph reads
+# them. In the key, every checkpoint of one architecture (generate/loading.py: model.init_from is the checkpoint's
+# path) compiled all its graphs again, and kept them, where one code object's graphs served them all
+_NOT_IN_GRAPHS = frozenset({"preset", "init_from", "init_std", "max_seq_len"})
+# the fields whose values reach the graphs only as tensors, graph inputs as the weights are: RoPE's frequencies (the
+# model's `inv_freq` buffer) and Ms-PoE's ratios (`ms_poe_ratios`). The one Python number RoPE's settings put in a
+# graph, YaRN's attention factor (`model.rope_scale`: `if scale == 1.0` picks the code), is in the key by its value.
+# In the key, configs differing only in rope_theta compiled each graph once per value, under copies of their own
+_TENSOR_VALUES = frozenset({
+    "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+    "rope_original_max_len", "rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim",
+    "rope_attention_factor", "rope_truncate", "rope_ms_poe_min", "rope_ms_poe_max", "rope_ms_poe_order"})
 
 
 def model_key(model) -> tuple:
-    """A model's part of a compiled step's variant: its class and config but for _NOT_IN_GRAPHS (made once per
-    model: a decode step reads it every token). Models of one config share graphs; another config (layers,
-    heads, RoPE) compiles its own, under a code object of its own."""
+    """A model's part of a compiled step's variant: its class, its config but for _NOT_IN_GRAPHS and _TENSOR_VALUES,
+    and `rope_scale` (made once per model: a decode step reads it every token). Models whose graphs are the same
+    share them (one code object, its recompile limit); a field that changes a graph (layers, heads, norm_eps,
+    qk_norm, Ms-PoE's layers, ...) gives a copy of its own. A field left in by mistake costs a compile, never a
+    token: dynamo guards on whatever a graph reads, so a key that merged two graphs would compile again, not reuse."""
     key = _MODEL_KEYS.get(model)
     if key is None:
         cfg = getattr(model, "cfg", None)
+        skip = _NOT_IN_GRAPHS | _TENSOR_VALUES
         shape = repr(cfg) if not dataclasses.is_dataclass(cfg) else repr(
-            [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name not in _NOT_IN_GRAPHS])
-        key = _MODEL_KEYS[model] = (type(model).__qualname__, shape)
+            [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name not in skip])
+        key = _MODEL_KEYS[model] = (type(model).__qualname__, shape, getattr(model, "rope_scale", None))
     return key
 
 
