@@ -63,8 +63,10 @@ def grouped_path(x: torch.Tensor, w: torch.Tensor) -> str:
     return "loop (forced)" if _FORCE_LOOP else "torch._grouped_mm" if _kernel_fits(x, w) else "loop"
 
 
-def _contiguous(grad: torch.Tensor) -> torch.Tensor:
+def _contiguous(grad: torch.Tensor | None) -> torch.Tensor | None:
     """torch._grouped_mm's backward refuses an expanded gradient (the gradient of a `.sum()`: strides 0)."""
+    if grad is None:  # (the hook's only: the output's gradient undefined, a Function having returned None for it)
+        return None  # (a hook may not replace None; the kernel's backward takes it as zero: no gradient of x or w)
     # (an empty tensor counts as contiguous whatever its strides: an expanded one keeps its zero strides)
     return grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)
 

@@ -119,13 +119,14 @@ def _json_start(head: bytes, codec: str) -> bool:
     return body[1:].lstrip(_WS)[:1] in tuple(_NEXT[body[:1]]) or sum(c < "\x80" for c in text) >= GUESS_UNITS
 
 
-def wide_head(lines: Iterator[bytes]) -> tuple[str | None, list[bytes]]:
+def wide_head(lines: Iterator[bytes]) -> tuple[str | None, Iterator[bytes]]:
     """(wide_codec of a jsonl unit's first HEAD_BYTES bytes past its leading blank lines, within its first
-    LINE_END_LOOKAHEAD bytes, the lines read). Not its first line alone: a UTF-16 file whose first line is blank
-    starts that line with its newline's other byte (b"" or b"\\x00"), too short to tell (one bad line a line);
-    nor its first non-blank line alone: `{` and white space may fill it. Where all it read is white space and zero
-    bytes, the codec in which that is JSON white space (no U+0000): a UTF-16 unit of blank lines (each of its lines
-    read as UTF-8 held a zero byte and was counted as a bad line) or one whose white space runs past the first MiB."""
+    LINE_END_LOOKAHEAD bytes, the unit's lines from its first: those read, then `lines`). Not its first line alone: a
+    UTF-16 file whose first line is blank starts that line with its newline's other byte (b"" or b"\\x00"), too
+    short to tell (one bad line a line); nor its first non-blank line alone: `{` and white space may fill it. Where
+    all it read is white space and zero bytes, the codec in which that is JSON white space (no U+0000): a UTF-16
+    unit of blank lines (each of its lines read as UTF-8 held a zero byte and was counted as a bad line); where that
+    runs past the first MiB, told by the bytes past it (_past_blank)."""
     read: list[bytes] = []
     size, lead, whole = 0, None, True  # (lead: the bytes before the first non-blank byte, once it is read)
     for line in lines:
@@ -140,7 +141,41 @@ def wide_head(lines: Iterator[bytes]) -> tuple[str | None, list[bytes]]:
     # line cut first, so that a long one is not copied whole)
     cut = LINE_END_LOOKAHEAD if lead is None else lead + HEAD_BYTES
     head = b"\n".join(line[:cut] for line in read)[:cut]
-    return (wide_codec(head) if lead is not None else _white_space_codec(head, whole)), read
+    if lead is not None:
+        return wide_codec(head), itertools.chain(read, lines)
+    codec = _white_space_codec(head, whole)
+    if codec is None or whole:
+        return codec, itertools.chain(read, lines)
+    return _past_blank(codec, read, lines)
+
+
+def _past_blank(codec: str, read: list[bytes], lines: Iterator[bytes]) -> tuple[str | None, Iterator[bytes]]:
+    """wide_head of a unit whose first MiB (`read`) is JSON white space in `codec`: wide_codec of HEAD_BYTES past
+    its blank run, read from a start 4-aligned as the file is (a UTF-16 / UTF-32 character's start), and where the
+    run holds no more than that, `codec` (holds_text: no skip). Not `codec` alone: b"\\0\\n" is a blank line in
+    UTF-16BE and a NUL line in UTF-8, and a UTF-8 file led by a MiB of those lost its records, all of them, as one
+    UTF-16 skip (it loses the NUL lines alone). The blank lines past the MiB are kept as runs of one line (padding
+    repeats one), not one by one: a long run costs no memory."""
+    runs: list[list] = []  # [line, times] of the blank lines read past `read`
+    size, tail = sum(len(line) + 1 for line in read), (b"\n".join(line[-3:] for line in read[-3:]) + b"\n")[-3:]
+    for line in lines:
+        if not line.strip(_BLANK):
+            if runs and runs[-1][0] == line:
+                runs[-1][1] += 1
+            else:
+                runs.append([line, 1])
+            size, tail = size + len(line) + 1, (tail + line[-3:] + b"\n")[-3:]
+            continue
+        lead = size + len(line) - len(line.lstrip(_BLANK))
+        start, after = size - len(tail), [line]  # (the file offset of `tail`, the lines from the non-blank one)
+        while size + sum(len(a) + 1 for a in after) < lead + HEAD_BYTES and (more := next(lines, None)) is not None:
+            after.append(more)
+        # (each line cut first, as in wide_head: a long line after a short one is not copied whole)
+        head = (tail + b"\n".join(a[:lead + HEAD_BYTES - size] for a in after))[lead - lead % 4 - start:
+                                                                                lead + HEAD_BYTES - start]
+        blank = itertools.chain.from_iterable(itertools.repeat(line, times) for line, times in runs)
+        return wide_codec(head), itertools.chain(read, blank, after, lines)
+    return codec, itertools.chain(read, itertools.chain.from_iterable(itertools.repeat(*run) for run in runs))
 
 
 def _white_space_codec(blank: bytes, whole: bool) -> str | None:
@@ -159,14 +194,14 @@ def _white_space_codec(blank: bytes, whole: bool) -> str | None:
     return None
 
 
-def holds_text(codec: str, head: Iterable[bytes], lines: Iterable[bytes]) -> bool:
-    """Whether a wide unit's lines (`head`, then `lines`: split at b"\\n", read on from there) hold more than JSON
-    white space in `codec`. A unit of white space alone gives no record in any encoding: no skip, as a UTF-8 one of
-    blank lines is none. Reads up to the first character that is not white space (the head's, in a unit of
-    records); bytes that are no text in `codec` count as text."""
+def holds_text(codec: str, lines: Iterable[bytes]) -> bool:
+    """Whether a wide unit's lines (split at b"\\n") hold more than JSON white space in `codec`. A unit of white space
+    alone gives no record in any encoding: no skip, as a UTF-8 one of blank lines is none. Reads up to the first
+    character that is not white space (the head's, in a unit of records); bytes that are no text in `codec` count as
+    text."""
     decoder = codecs.getincrementaldecoder(codec)("strict")
     try:
-        for n, line in enumerate(itertools.chain(head, lines)):
+        for n, line in enumerate(lines):
             if decoder.decode(b"\n" + line if n else line).strip(_WS):
                 return True
         return bool(decoder.decode(b"", final=True).strip(_WS))
@@ -174,7 +209,8 @@ def holds_text(codec: str, head: Iterable[bytes], lines: Iterable[bytes]) -> boo
         return True
 
 
-_DECODER = json.JSONDecoder()
+_SCAN = json.JSONDecoder().scan_once  # (json's scanner: raw_decode's, without its error for a start that is no value)
+TRIES = 32  # parts of a line that start as a JSON value and break off, read past at most (joined_records)
 
 
 def joined_records(text: str) -> tuple[list, bool]:
@@ -183,8 +219,11 @@ def joined_records(text: str) -> tuple[list, bool]:
     ends without a newline and b.jsonl starts with a mark joins a's last record and b's first in one line, both lost
     as one bad line. A mark outside a JSON string is no JSON, so a part ends where its value does and the next
     mark follows; a mark in a string is read as the value's own. A part that is no value is passed over to the
-    next mark (a record cut short, then the next file)."""
-    values, bad, pos, size = [], False, 0, len(text)
+    next mark (a record cut short, then the next file). json's error for a part costs the line's length up to it
+    (its line and column), and one a mark made a line cut short in a string of many marks quadratic (2 MB, 160,000
+    marks in prose: 167 s, 0.05 s before the split): a part whose first character starts no value builds none
+    (scan_once's StopIteration), and past TRIES parts that start as a value and break off the rest is bad."""
+    values, bad, pos, size, tries = [], False, 0, len(text), TRIES
     while True:
         pos = _skip_white_space(text, pos)
         if pos < size and text[pos] == "\ufeff":
@@ -193,9 +232,11 @@ def joined_records(text: str) -> tuple[list, bool]:
         if pos >= size:
             return values, bad
         try:
-            value, end = _DECODER.raw_decode(text, pos)
-        except ValueError:
+            value, end = _SCAN(text, pos)
+        except StopIteration:
             end = pos + 1
+        except ValueError:
+            end, tries = pos + 1, tries - 1
         else:
             end = _skip_white_space(text, end)
             if end >= size or text[end] == "\ufeff":
@@ -203,7 +244,7 @@ def joined_records(text: str) -> tuple[list, bool]:
                 pos = end
                 continue
         bad = True
-        pos = text.find("\ufeff", end)
+        pos = text.find("\ufeff", end) if tries else -1
         if pos < 0:
             return values, bad
 

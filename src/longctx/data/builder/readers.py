@@ -315,15 +315,14 @@ def jsonl_records(lines: Iterable[bytes], skipped: Counter) -> Iterator[tuple[in
     white space alone in UTF-16 / UTF-32 is no skip, as a UTF-8 one of blank lines is none. The records of a line
     that files joined without a newline made one (line_ends.joined_records) are numbered LINE, LINE.2, ... The
     build's reading and the missing-field hint's (field_hint.py) are this one."""
-    lines = iter(lines)
-    codec, head = wide_head(lines)
+    codec, lines = wide_head(iter(lines))  # (an iterator of all the unit's lines, from its first)
     if codec:
         # (read as UTF-8 each of its lines was one more bad line, thousands of them: the file, skipped whole,
         # is one skip, named with the damaged files, that says how to convert it)
-        if holds_text(codec, head, lines):
+        if holds_text(codec, lines):
             skipped[_WIDE_SKIPS[family(codec)]] += 1
         return
-    for i, line in enumerate(itertools.chain(head, lines), start=1):
+    for i, line in enumerate(lines, start=1):
         # A UTF-8 BOM at a line's start (a file's start, or where files were concatenated, the second saved with
         # one) is dropped before the line is read, a blank one too; within a line, joined_records reads it.
         line = line.removeprefix(b"\xef\xbb\xbf")
@@ -340,8 +339,9 @@ def jsonl_records(lines: Iterable[bytes], skipped: Counter) -> Iterator[tuple[in
                 skipped["invalid_utf8"] += 1
                 continue
             # A UTF-16 / UTF-32 mark at a line's start: a file in that encoding joined after this one's UTF-8 lines
-            # (blank ones, or records): one skip, as a file in it is (its lines were one bad line each)
-            if holds_text(codec, [line], lines):
+            # (blank ones, or records): one skip, as a file in it is (its lines were one bad line each); read on
+            # from the next line, be it one wide_head read (the mark's line blank: its records went unnamed)
+            if holds_text(codec, itertools.chain([line], lines)):
                 skipped[_WIDE_SKIPS[family(codec)]] += 1
             return
         yield from _line_records(i, text, skipped)
