@@ -22,6 +22,7 @@ import torch
 from ..data.store_mix import StoreMix
 from ..models.moe_eval_routing import dropless
 from ..parallel.context.shares import read_local_batch, to_device
+from ..parallel.fsdp.shard import reshard_units
 from ..step.loss import forward_loss_sum, forward_token_losses
 
 
@@ -90,6 +91,9 @@ def evaluate_eval_set(trainer, label_count) -> Evaluation:
                 total += by_store.add(model, batch, indices, trainer.autocast_dtype)
             count = count + label_count([batch], valid)  # (a host int, or a draft's count on the device)
     model.train()
+    # no backward follows to reshard the units: the next step, a save or a reader of the weights finds them as
+    # training left them (parallel/fsdp/shard.py reshard_units)
+    reshard_units(model)
     n = float(count)  # (one host read of each: the count may be a draft's, on the device)
     loss = float(rt.sum_tensor(total)) / n if n else float("nan")  # (no label: no loss)
     return Evaluation(loss, None if by_store is None else by_store.losses())

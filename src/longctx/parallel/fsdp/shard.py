@@ -11,6 +11,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
@@ -220,6 +221,20 @@ def check_staging_fits(model, groups, bf16: bool, device_bytes: int) -> None:
 def _one_or_list(modules: list):
     """fully_shard's argument for one unit: a module alone, as it always was, or a list (one group)."""
     return modules[0] if len(modules) == 1 else modules
+
+
+def reshard_units(model: torch.nn.Module) -> None:
+    """Every FSDP unit of `model` back to its sharded parameters after forwards with no backward (an evaluation).
+    FSDP2 reshards a unit in its backward; after a forward alone the root keeps its gathered parameters (FSDP2
+    never reshards the root after forward, whose backward would gather them again) and, under hpz with a one-rank
+    partition (reshard_after_forward False), so does every block. `model.parameters()` then returned those
+    plain tensors, not the DTensors the optimizer updates (`full_tensor` failed, a mesh read as None), and
+    they held their memory until the next step's backward. (Under hpz with a larger partition FSDP2 keeps each
+    block's node-sharded copy, no parameter any more, until the block's next forward replaces it: FSDP2 has no
+    public call that frees it, and a training forward holds as much until its backward.)"""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # (a grouped unit's second module finds it resharded: a no-op)
+            module.reshard()
 
 
 def uses_fsdp(dims, cfg) -> bool:
