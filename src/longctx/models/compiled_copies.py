@@ -31,6 +31,7 @@ import threading
 import types
 import warnings
 import weakref
+import zlib
 from collections import OrderedDict
 
 import torch
@@ -76,19 +77,34 @@ class CompiledCopy:
             except _limit_hit_error() as e:
                 # raised by dynamo before the frame ran (nothing of the call happened yet): run it below
                 self.eager_fallback = True
-                device = self.variant[0] if self.variant else "its device"
-                warnings.warn(_fallback_message(self.fn.__name__, device, e), CompiledDecodeFallback, stacklevel=2)
+                warnings.warn(_fallback_message(self.fn.__name__, self.variant, e), CompiledDecodeFallback,
+                              stacklevel=2)
         if self.run_only is None:  # (made once: a wrapper per call would cost each eager token a context's set-up)
             self.run_only = torch._dynamo.run(self.fn)
         return self.run_only(*args)
 
 
-def _fallback_message(name: str, device: str, error: BaseException) -> str:
-    return (f"compiled decode: `{name}` on {device} reached torch._dynamo's recompile limit (recompile_limit = "
-            f"{recompile_limit()} graphs; {type(error).__name__}). It decodes eagerly from now on wherever its "
-            f"compiled graphs do not serve a call (the same tokens, at eager speed), and compiles nothing more. A "
-            f"graph per call means a value that changes from call to call reaches the graph (TORCH_LOGS=recompiles "
-            f"names the guard); a larger torch._dynamo.config.recompile_limit keeps compiling.")
+def _fallback_message(name: str, variant: tuple, error: BaseException) -> str:
+    # (the variant in the words: Python's default filter shows a warning's text once per place, so two copies of one
+    # function, greedy's and a sampled one's `next_token_1`, said the same text and only the first was shown)
+    device = variant[0] if variant else "its device"
+    return (f"compiled decode: `{name}` on {device} (variant: {_variant_words(variant)}) reached torch._dynamo's "
+            f"recompile limit (recompile_limit = {recompile_limit()}; {type(error).__name__}). It decodes eagerly "
+            f"from now on wherever its compiled graphs do not serve a call (the same tokens, at eager speed), and "
+            f"compiles nothing more. A graph per call means a value that changes from call to call reaches the graph "
+            f"(TORCH_LOGS=recompiles names the guard); a larger torch._dynamo.config.recompile_limit keeps compiling.")
+
+
+def _variant_words(variant: tuple) -> str:
+    """A copy's variant past its device, short: the plain values as they are (the cache's dtype, final_norm, the
+    sampling branches), the model's graph key (its config's repr, hundreds of characters) as its class and a digest."""
+    words = []
+    for value in variant[1:]:
+        text = repr(value)
+        if isinstance(value, tuple) and value and isinstance(value[0], str) and len(text) > 80:
+            text = f"{value[0]} {zlib.crc32(text.encode()):08x}"
+        words.append(text)
+    return ", ".join(words) or "none"
 
 
 def _renamed(code: types.CodeType, name: str) -> types.CodeType:
