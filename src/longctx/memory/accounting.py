@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from ..config import ModelConfig
 from ..models.flops import attention_matmul_params, dense_ffn_params, matmul_params_per_layer, moe_ffn_params
 from .block_parts import autocast_norm_bytes, block_part_bytes, compute_bytes
+from .layer_hosts import layers_key, remember
 from .moe_counts import expert_rows, experts_copied, moe_call_terms, moe_calls, moe_weight_copy_params
 from .peak_routing import at_top_k, chunk_fitting_top_ks
 from .policy import MemoryPolicy
@@ -373,6 +374,8 @@ def _estimate_at(model: ModelConfig, seq_len: int, micro_batch: int = 1, *, head
                   expert_ranks_per_node=expert_ranks_per_node)
     layers = layer_activations(model, seq_len, micro_batch, head=head, ctx=ctx, policy=policy,
                                dtype_bytes=dtype_bytes, docs=docs, **moe_kw)
+    if model.is_moe:  # (host_parts.py's pinned count reads these blocks again: layer_hosts.py)
+        remember(layers_key(repr(model), seq_len, micro_batch, head, ctx, policy, dtype_bytes, docs, **moe_kw), layers)
     p = dtype_bytes
     tokens = micro_batch * seq_len // (head * ctx)
     L = model.layers

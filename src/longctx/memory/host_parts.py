@@ -37,6 +37,7 @@ from ..ops.chunked import chunk_slices
 from ..ops.pinned import pinned_bytes
 from .accounting import layer_activations, peak_models
 from .block_parts import ATTENTION_NORM_FEEDS, MLP_NORM_FEEDS, compute_bytes
+from .layer_hosts import layers_key, recall, remember
 from .policy import MemoryPolicy
 
 
@@ -157,8 +158,18 @@ def _pinned_at(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx
     p, rc = dtype_bytes, policy.recompute
     kw = {"head": head, "ctx": ctx, "policy": policy}
     model = repr(m)  # (every field: whatever the parts read of it)
+    # this call's kinds by (offloaded, moe): every other field of _KINDS' key is this call's, so a MoE model's
+    # layers (48 of qwen3-30b-a3b) look their kind up in a dict of at most four, not by hashing the whole key
+    # (its model repr and policy) once per layer, a tenth of a MoE search's time (docs/planner.md)
+    seen: dict[tuple[bool, bool], tuple[int, int]] = {}
 
     def kind(offloaded: bool, moe: bool) -> tuple[int, int]:
+        hit = seen.get((offloaded, moe))
+        if hit is None:
+            hit = seen[offloaded, moe] = _kind(offloaded, moe)
+        return hit
+
+    def _kind(offloaded: bool, moe: bool) -> tuple[int, int]:
         key = (model, seq_len, micro_batch, head, ctx, policy, p, autocast, offloaded, moe)
         if key not in _KINDS:
             if offloaded:
@@ -175,14 +186,17 @@ def _pinned_at(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx
     if not m.is_moe:  # every block alike but for being offloaded (the first layers - offload_skip_last)
         off = max(0, m.layers - policy.offload_skip_last) if policy.offload_fraction > 0 else 0
         return float(off * kind(True, False)[0] + (m.layers - off) * kind(False, False)[0])
+    moe_kw = dict(expert=expert, expert_skew=expert_skew, autocast=autocast, expert_replicas=expert_replicas,
+                  expert_ranks_per_node=expert_ranks_per_node)
+    key = layers_key(model, seq_len, micro_batch, head, ctx, policy, p, docs, **moe_kw)
+    blocks = recall(key) or remember(key, layer_activations(m, seq_len, micro_batch, head=head, ctx=ctx,
+                                                            policy=policy, dtype_bytes=p, docs=docs, **moe_kw))
     total = 0.0
-    for la in layer_activations(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy, dtype_bytes=p,
-                                docs=docs, expert=expert, expert_skew=expert_skew, autocast=autocast,
-                                expert_replicas=expert_replicas, expert_ranks_per_node=expert_ranks_per_node):
-        locked, exact = kind(la.offloaded, la.moe)
+    for offloaded, moe, host in blocks:
+        locked, exact = kind(offloaded, moe)
         total += locked
-        if la.moe:  # the feed-forward's parts, unlisted: at most twice their bytes once rounded
-            total += 2 * max(0.0, la.host - exact)
+        if moe:  # the feed-forward's parts, unlisted: at most twice their bytes once rounded
+            total += 2 * max(0.0, host - exact)
     return total
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import ModelConfig
+from ..config.per_model import per_model
 from .accounting import (
     ActivationEstimate,
     estimate_activations,
@@ -365,9 +366,9 @@ def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, hea
         """The largest phase of the backward of the `blocks` (their kinds: MoE, dense), `extra[phase]` more bytes
         held in that phase."""
         extra = extra or {}
-        return max(max(v + extra.get(k, 0.0) for k, v in backward_phase_bytes(
-            m, seq_len, micro_batch, head=head, ctx=ctx, window=window, policy=pol, dtype_bytes=e, docs=docs,
-            moe=moe, autocast=autocast).items()) for moe in {i in sparse for i in blocks} or {False})
+        return max(max(v + extra.get(k, 0.0) for k, v in _phase_items(
+            m, seq_len, micro_batch, head, ctx, window, pol, e, docs, moe, autocast))
+            for moe in {i in sparse for i in blocks} or {False})
 
     if not offloaded:  # (every block kept, offload_skip_last >= layers: each recomputes all its tokens)
         return phases(dataclasses.replace(policy, offload_fraction=0.0))
@@ -404,6 +405,18 @@ def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, hea
         off -= kept_blocks_freed_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy, e=e, docs=docs,
                                        autocast=autocast)
     return off if offloaded == m.layers else max(off, kept)
+
+
+@per_model
+def _phase_items(m: ModelConfig, seq_len: int, micro_batch: int, head: int, ctx: int, window: int,
+                 policy: MemoryPolicy, dtype_bytes: int, docs: bool, moe: bool, autocast: bool) -> tuple:
+    """backward_phase_bytes' items in its order, kept per model config object and every other argument
+    (config/per_model.py: a config is not changed once built): the planner's search asks for the same block's
+    phases for every expert degree, skew and copy slots of a layout (none of which they read) and for the policies
+    whose kept blocks are alike (qwen3-30b-a3b on 16 GPUs at 32K: 40,176 asks, 12,152 distinct; docs/planner.md
+    "How the search is timed"). A tuple: no caller can change what is kept."""
+    return tuple(backward_phase_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, window=window, policy=policy,
+                                      dtype_bytes=dtype_bytes, docs=docs, moe=moe, autocast=autocast).items())
 
 
 def kept_blocks_freed_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int,
