@@ -18,6 +18,7 @@ import random
 from collections import Counter
 
 import pytest
+from test_dataleft_jsonl import _python_reads
 
 from longctx.data.builder import readers
 from longctx.data.builder.line_ends import split_lines
@@ -56,18 +57,6 @@ def test_a_later_wide_mark_on_a_blank_line_names_the_file(tmp_path, codec, blank
 
 # -- (b) UTF-8 records after a MiB of NUL lines ----------------------------------------------------------------------
 
-def _python_reads(data: bytes) -> tuple[list, int]:
-    """(records, bad lines) as Python reads UTF-8 lines: each non-blank one a json.loads."""
-    records, bad = [], 0
-    for line in data.decode("utf-8").split("\n"):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                bad += 1
-    return records, bad
-
-
 # (NUL lines of 1 KiB that are blank lines in UTF-16BE, in UTF-16LE, and one line of UTF-16LE spaces: short lines
 # `\0\n` are the same case, 20 times slower to read)
 @pytest.mark.parametrize("pad", [(b"\x00 " * 511 + b"\x00\n") * 1030, (b"\n\x00" + b" \x00" * 511) * 1030,
@@ -77,7 +66,7 @@ def test_utf8_records_after_a_mib_of_nul_lines_are_kept(tmp_path, pad, compress)
     data = pad + b"\n" + _jsonl(_records(0, 3)).encode()
     path = tmp_path / ("x.jsonl.gz" if compress else "x.jsonl")
     path.write_bytes(gzip.compress(data, compresslevel=1) if compress else data)
-    records, bad = _python_reads(data)
+    records, bad = _python_reads(data, "utf-8")
     docs, skipped, damaged = _read(path, path.name)
     assert [d.text for d in docs] == [r["text"] for r in records] == [r["text"] for r in _records(0, 3)]
     assert skipped == {"bad_json_line": bad} and damaged == []
