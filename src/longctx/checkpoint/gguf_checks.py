@@ -96,13 +96,6 @@ def check_filled(reader, config, arch: str, path: Path, model) -> None:
                               f"a model of {need:,} parameters ({_sizes(config)}), and the file holds {have:,} "
                               f"values{_defaults_note(reader, arch)}. Convert the model again with llama.cpp's "
                               f"convert_hf_to_gguf.py, or use its Hugging Face release (hf:DIR).")
-    if arch not in IMPORTED_ARCHITECTURES:
-        # (transformers' reader failed on some with a bare KeyError, 'qwen35.attention.key_length', on others
-        # after building the config; neither named the way out)
-        raise GGUFImportError(f"{path.name} states general.architecture = {arch!r}, which longctx does not import: "
-                              f"it imports GGUF files of {', '.join(IMPORTED_ARCHITECTURES)} (llama.cpp writes "
-                              f"Mistral 7B-style models as 'llama'). If longctx reads the model's family in a "
-                              f"Hugging Face release (docs/checkpoints.md), pass hf:DIR of that release instead.")
 
 
 def _sizes(config) -> str:
