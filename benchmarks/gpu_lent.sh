@@ -11,8 +11,8 @@
 # instead of overrunning the call (each script skips what no longer fits and still prints its summary).
 # Part 2 (PART=2) runs the frontier's llama3-1b probe (PROBES default longest; LONGEST default 524288, the
 # length the issue asks: 256K trained on an H200 on 2026-12-04; FRONTIER_S default 210 s), then the speed
-# steps part 1 rarely reaches (SPEED_STEPS default 2,3,4: the MoE layer, the debug model's decode, decode
-# against transformers) with the rest of TOTAL_S; its frontier JSON is tagged _part2. The frontier's other
+# steps part 1 rarely reaches (SPEED_STEPS default 2,3,4,8: the MoE layer, the debug model's decode, decode
+# against transformers, one compiled copy for two RoPE frequencies) with the rest of TOTAL_S; its frontier JSON is tagged _part2. The frontier's other
 # probes (overlap: 75% hidden on 2026-12-04; blocks_host) run when PROBES names them. The JSON is written to
 # docs/results/ on the device machine, but only $OUT comes back from it, and at most 8 files of it: the
 # new docs/results files are copied to $OUT/results/, and then all of $OUT (the scripts' logs and JSON,
@@ -29,7 +29,7 @@ MARK=$(mktemp); trap 'rm -f "$MARK"' EXIT  # docs/results files newer than this 
 if [ "$PART" = 2 ]; then
   export PROBES=${PROBES:-longest} LONGEST=${LONGEST:-524288} TAG=${TAG:-_part2}
   FRONTIER_S=${FRONTIER_S:-210}; [ "$FRONTIER_S" -gt "$TOTAL_S" ] && FRONTIER_S=$TOTAL_S
-  echo "=== gpu_lent part 2: gpu_frontier.sh ($PROBES) with ${FRONTIER_S} s, then gpu_speed.sh (${SPEED_STEPS:=2,3,4})"
+  echo "=== gpu_lent part 2: gpu_frontier.sh ($PROBES) with ${FRONTIER_S} s, then gpu_speed.sh (${SPEED_STEPS:=2,3,4,8})"
   BUDGET_S=$FRONTIER_S bash benchmarks/gpu_frontier.sh
   LEFT=$((TOTAL_S - SECONDS)); [ "$LEFT" -lt 0 ] && LEFT=0
   echo "=== gpu_lent: gpu_frontier.sh took ${SECONDS} s; gpu_speed.sh ($SPEED_STEPS) gets ${LEFT} s"

@@ -28,7 +28,10 @@
 #      first run builds the default store);
 #   7. train.deterministic on the card: 20 steps twice with it, of the debug model and of debug-moe with
 #      the spike check on (its router, dispatch and loss kernels, the guard's median): the losses must be
-#      equal bit for bit, and an op without a deterministic kernel would raise, named.
+#      equal bit for bit, and an op without a deterministic kernel would raise, named;
+#   8. models differing only in RoPE's frequencies share one compiled decode copy under reduce-overhead (CUDA
+#      graph trees): each model's tokens compiled vs eager, in turn and again in reverse (a graph replayed
+#      after another model's run must read that model's frequencies; benchmarks/shared_copy_check.py).
 # GliDe/CaPE at 1K and 8K need the recipe's checkpoints: benchmarks/gpu_decode.sh trains them on the GPU.
 set -u
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -53,9 +56,10 @@ go() {
 }
 save() { [ "$DEVICE" = cpu ] || cp "$OUT/$1.json" "docs/results/gpu_speed_$1_${CARD}_${DAY}.json" 2>/dev/null || true; }
 # SPEED_STEPS: the steps to run (numbers, comma-separated; all by default), e.g. gpu_lent.sh's second call's 2,3,4
-SPEED_STEPS=${SPEED_STEPS:-1,2,3,4,5,6,7}
+SPEED_STEPS=${SPEED_STEPS:-1,2,3,4,5,6,7,8}
 want() { case ",$SPEED_STEPS," in *",$1,"*) return 0;; esac; echo "not asked (SPEED_STEPS=$SPEED_STEPS)"; return 1; }
-rm -f "$OUT/peer.json" "$OUT/moe.json" "$OUT/decode.json" "$OUT/peer_decode.json" "$OUT/zero_pp_kernels.json"  # (the summary reads this run's)
+rm -f "$OUT/peer.json" "$OUT/moe.json" "$OUT/decode.json" "$OUT/peer_decode.json" "$OUT/zero_pp_kernels.json" \
+  "$OUT/shared_copy.json"  # (the summary reads this run's)
 echo "budget ${BUDGET_S} s, device ${DEVICE}"
 [ "$DEVICE" = cpu ] || nvidia-smi -L
 echo "== 1. longctx train vs transformers, llama3-1b, 8K and 32K"
@@ -110,6 +114,11 @@ for run in dense1 dense2 moe1 moe2; do
     --metrics.log_interval 1 --checkpoint.final false --train.run_dir "/tmp/run_det_$run" > "$OUT/det_$run.log" 2>&1
   echo "rc $? $run"; grep -m1 -i "error" "$OUT/det_$run.log" | cut -c1-200
 done
+echo "== 8. one compiled decode copy for models differing only in RoPE's frequencies (reduce-overhead)"
+if want 8 && fits 90; then
+  go python3 benchmarks/shared_copy_check.py --device cuda --out "$OUT/shared_copy.json" > "$OUT/shared_copy.log" 2>&1
+  echo "rc $?"; save shared_copy
+fi
 python3 - <<'PY'
 import json
 def losses(run):
@@ -126,7 +135,7 @@ PY
 python3 - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]
-for name in ("peer", "moe", "decode", "peer_decode", "zero_pp_kernels"):
+for name in ("peer", "moe", "decode", "peer_decode", "zero_pp_kernels", "shared_copy"):
     try:
         d = json.load(open(f"{out}/{name}.json"))
     except (OSError, ValueError) as e:
@@ -145,6 +154,8 @@ for name in ("peer", "moe", "decode", "peer_decode", "zero_pp_kernels"):
     elif name == "peer_decode":
         print("peer_decode tokens/s longctx", d["longctx"]["decode_tokens_per_s"], "transformers",
               d["transformers"]["decode_tokens_per_s"], "ratio", d["decode_ratio"], "same tokens", d["same_tokens"])
+    elif name == "shared_copy":
+        print("shared copy: all identical", d["all_identical"], "graphs", d["graphs"], "copies", d["copies"])
     elif name == "decode":
         print("decode tokens/s eager", d["eager"]["decode_tokens_per_s"], "compiled", d["compiled"]["decode_tokens_per_s"],
               "identical", d.get("identical"))
