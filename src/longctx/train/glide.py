@@ -189,7 +189,7 @@ class GlideTraining(nn.Module):
         finally:
             reshard = getattr(self.target, "reshard", None)
             if reshard is not None:  # FSDP keeps a root's parameters gathered after forward, for a backward
-                reshard()            # that a frozen target never runs
+                reshard()            # that a frozen target never runs (its blocks reshard in their post-forward)
         kv = [self._captured.pop(i) for i in self.draft.target_layers]
         self._captured.clear()
         if self.kv_gather is None:

@@ -115,6 +115,10 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
                                  reshard_after_forward=reshard, shard_placement_fn=placement))
     fully_shard(model, mesh=shard_mesh, mp_policy=root_precision(mp), offload_policy=offload,
                 shard_placement_fn=placement)
+    # a partition between one rank and the group keeps a node-sharded copy after each forward (reshard_units;
+    # not the routers' units: their forward calls logits, a nested FSDP forward, after which the outer one
+    # reshards fully, leaving the copy where no unshard() reads it)
+    model.node_sharded_units = units if reshard is not True and 1 < reshard < shard_mesh.shape[-1] else []
     compiled = use_compiled(cfg.parallel.zero_pp_kernels, device_type)
     model.weight_gather = quantize_gathers([*units, model], cfg, dims, compiled, expert_units)
     model.grad_bucket_plan = plan
@@ -229,9 +233,20 @@ def reshard_units(model: torch.nn.Module) -> None:
     never reshards the root after forward, whose backward would gather them again) and, under hpz with a one-rank
     partition (reshard_after_forward False), so does every block. `model.parameters()` then returned those
     plain tensors, not the DTensors the optimizer updates (`full_tensor` failed, a mesh read as None), and
-    they held their memory until the next step's backward. (Under hpz with a larger partition FSDP2 keeps each
-    block's node-sharded copy, no parameter any more, until the block's next forward replaces it: FSDP2 has no
-    public call that frees it, and a training forward holds as much until its backward.)"""
+    they held their memory until the next step's backward.
+
+    Under hpz with a larger partition each block unit (`model.node_sharded_units`, shard_model) keeps its
+    node-sharded copy instead, no parameter: FSDP2's reshard() registers the sharded parameters but leaves
+    that copy held (FSDPParam.to_sharded frees only the gathered buffers) until the block's next forward
+    replaces it, 1.57 MB a rank (debug model, 4 ranks, nodes of 2). Only a gather FROM that copy frees it
+    (FSDPParam.to_unsharded), so such a unit is unsharded first, through FSDP2's public unshard(): an
+    all-gather within the partition (the node's link, exact under qwz as the backward's), one unit at a
+    time, once per evaluation; then reshard() drops the gathered weights. The values are the copy's, never
+    written back: the sharded parameters the next step trains are untouched."""
+    for unit in getattr(model, "node_sharded_units", ()):  # (before any reshard: from SHARDED it would gather
+        first = unit[0] if isinstance(unit, list) else unit  # the whole group's shards instead)
+        first.unshard()
+        first.reshard()
     for module in model.modules():
         if isinstance(module, FSDPModule):  # (a grouped unit's second module finds it resharded: a no-op)
             module.reshard()
