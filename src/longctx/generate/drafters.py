@@ -27,7 +27,7 @@ from ..models.static_decode import CompiledStep, compiled_step, install
 from .acceptance import sampling_probs
 from .cache_pool import POOL
 from .local import prefill
-from .sampling import UNCHOSEN, Processors, Sampling, check_chosen
+from .sampling import UNCHOSEN, Processors, Sampling, check_chosen, process
 
 
 def _sampled(q: torch.Tensor, generator) -> int:
@@ -96,8 +96,8 @@ class ModelDrafter:
                 stop_below: float = 0.0, processors: Processors | None = None) -> tuple[list[int], torch.Tensor]:
         """Up to k proposals after `pending` and the distribution each was drawn from. `stop_below`:
         the round ends after a proposal to which the draft gives a probability below it (at T = 0
-        its softmax's top probability): a draft that hesitates is likely wrong, and every further
-        proposal costs a draft step. The stop reads only the draft, so sampling stays exact.
+        the top probability of its penalised logits' softmax): a draft that hesitates is likely wrong,
+        and every further proposal costs a draft step. The stop reads only the draft, so sampling stays exact.
         `processors`: the penalties' state after pending (updated here with each proposal, on a copy),
         so the draft's q is processed as the target's p is."""
         device = self.cache.k.device
@@ -114,7 +114,7 @@ class ModelDrafter:
             choice = int(q.argmax()) if greedy else _sampled(q, generator)
             tokens.append(choice)
             qs.append(q)
-            if stop_below and i + 1 < k and _confidence(logits, q, choice, sampling) < stop_below:
+            if stop_below and i + 1 < k and _confidence(logits, q, choice, sampling, processors) < stop_below:
                 break
             token = torch.tensor([[choice]], device=device)
             if processors is not None:
@@ -143,10 +143,17 @@ class ModelDrafter:
             self._unfed = [extra]
 
 
-def _confidence(logits: torch.Tensor, q: torch.Tensor, choice: int, sampling: Sampling) -> float:
-    """The draft's probability of its choice: from q when q is a distribution, from the logits'
-    softmax when greedy decoding made q one-hot."""
-    return float(torch.softmax(logits.float(), -1)[choice]) if sampling.greedy else float(q[choice])
+def _confidence(logits: torch.Tensor, q: torch.Tensor, choice: int, sampling: Sampling,
+                processors: Processors | None = None) -> float:
+    """The draft's probability of its choice: from q when q is a distribution, from the softmax of the
+    logits it was chosen from (penalised by `processors`, the state before the choice: step 1 of
+    generate/sampling.py) when greedy decoding made q one-hot. The raw logits' softmax, read until
+    2026-12-07, ignored the penalties: a self draft under --repetition-penalty 0.6 --confidence-stop 0.5
+    kept every proposal yet stopped each round after one (tau 1.92 for 4.6; CaPE's tree, whose q is
+    the penalised softmax, read that already)."""
+    if not sampling.greedy:
+        return float(q[choice])
+    return float(torch.softmax(process(logits[None], sampling, processors)[0], -1)[choice])
 
 
 class GlideDrafter(ModelDrafter):
