@@ -109,20 +109,12 @@ def planner_bytes(raw: dict) -> dict:
     return est.comm_bytes
 
 
-def router_stats_bytes(raw: dict, summary: dict) -> float:
-    """What a rank's all-reduce of an MoE model's router statistics sent in one step (models/moe_stats.py: 3LE + 2L + 1
-    fp32 values over L MoE layers of E experts, a ring all-reduce's 2 (n - 1) / n of them over its n ranks): training
-    sends it and, since 835b897e, so does the planner's validation step these audits run. The planner's comm bytes
-    leave it out (316 B a step for debug-moe), so the FSDP comparisons take it off what the ranks sent."""
-    from longctx.planner.validate import build_config
-
-    m = build_config(raw).model
-    if not m.is_moe:
-        return 0.0
-    layers, experts = len(m.moe_layer_ids), m.moe_experts
-    sizes = [int(k.split("/")[1]) for k in summary["ops"] if k.startswith("all_reduce/")]
-    n = max(sizes) if sizes else 1
-    return 4.0 * (3 * layers * experts + 2 * layers + 1) * 2 * (n - 1) / n
+def collective_bytes(comm: dict) -> float:
+    """The planner's bytes (planner_bytes) of what a rank sends in ring collectives: FSDP's all-gathers,
+    reduce-scatters and HSDP's all-reduce, and a MoE model's router statistics' all-reduce (since 2026-12-07 in
+    the planner's figure, dim "router": the audits compare it whole with the all_gather, reduce_scatter and
+    all_reduce operators' bytes, where until then they took it off what the ranks sent)."""
+    return comm.get("fsdp", {}).get("fsdp", 0.0) + comm.get("router", {}).get("router", 0.0)
 
 
 def by_op(summary: dict) -> dict[str, float]:

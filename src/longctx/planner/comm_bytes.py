@@ -1,9 +1,10 @@
 """Communication bytes of one candidate's optimizer step, per rank and mesh dim (planner/cost.py's `estimate` puts
 them together with the memory and the time): every layer's distributed attention in every micro-batch (the forward
 again under full recomputation: parallel/context/volumes.py, the closed forms comm.py's counters are tested to
-equal; documents cost no bytes), FSDP's (ZeRO++ as configured), CO2's outer all-reduce (its share per step) and, under
-expert parallelism, the MoE layers' all-to-alls (even routing; hierarchical dispatch's per link level:
-costs/hier_bytes.py)."""
+equal; documents cost no bytes), FSDP's (ZeRO++ as configured), CO2's outer all-reduce (its share per step), a MoE
+model's router statistics' all-reduce over every rank (dim "router", each micro-batch: planner/expert_levels.py
+router_sum_bytes) and, under expert parallelism, the MoE layers' all-to-alls (even routing; hierarchical
+dispatch's per link level: costs/hier_bytes.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ..memory.moe_counts import moe_forward_runs
 from ..memory.policy import MemoryPolicy
 from ..parallel.context.volumes import ZeroPP, attention_bytes, expert_bytes, fsdp_bytes_per_step
 from .expert_copies import copy_bytes, copy_relief
+from .expert_levels import router_sum_bytes
 from .slow_links import co2_outer_bytes
 
 
@@ -35,7 +37,8 @@ def comm_bytes_per_step(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, 
                         grad_accum: int, gather_bytes: int, tokens: int = 0,
                         expert_skew: float = 1.0) -> dict[str, dict[str, float]]:
     """{dim: {label: bytes}} one rank sends per optimizer step: every layer's attention in every
-    micro-batch (the forward again under full recomputation), FSDP's, and under expert parallelism
+    micro-batch (the forward again under full recomputation), FSDP's, a MoE model's router statistics' all-reduce
+    ("router": until 2026-12-07 left out, 316 B a step for debug-moe on 2 ranks), and under expert parallelism
     the MoE layers' all-to-alls of the rank's `tokens` per micro-batch (even routing); with FlexMoE's copies
     (shape.expert_replicas) what the hot rank moves for them at `expert_skew` (planner/expert_copies.py); under
     hierarchical dispatch (shape.expert_ranks_per_node) its two levels as the dims "expert_node" and "expert_local"
@@ -55,16 +58,25 @@ def comm_bytes_per_step(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, 
         comm["fsdp"] = fsdp
     if shape.data_parallel == "co2":  # a round's outer all-reduce, its share per step
         comm["co2"] = {"co2_outer": co2_outer_bytes(m, shape) / shape.local_steps}
+    router = router_sum_bytes(m, shape.world)
+    if router:  # a MoE model's router statistics, summed over every rank after each micro-batch's forward
+        comm["router"] = {"router": float(router * grad_accum)}
+    comm.update(expert_step_bytes(m, shape, policy, tokens, grad_accum, gather_bytes, expert_skew))
+    return comm
+
+
+def expert_step_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, tokens: int, grad_accum: int,
+                      gather_bytes: int, expert_skew: float = 1.0) -> dict[str, dict[str, float]]:
+    """comm_bytes_per_step's expert dims alone ({} without expert parallelism): "expert" (with FlexMoE's copies'
+    labels), or under hierarchical dispatch "expert_node" and "expert_local". The search's lower bound of a step
+    (planner/step_bound.py) times these very bytes; the policy enters them only through its MoE forward runs."""
     if hierarchical(shape.expert, shape.expert_ranks_per_node) and m.is_moe:
-        for dim, labels in hier_layer_bytes(m, shape, policy, tokens, gather_bytes).items():
-            comm[dim] = {label: nbytes * grad_accum for label, nbytes in labels.items()}
-        return comm
+        return {dim: {label: nbytes * grad_accum for label, nbytes in labels.items()}
+                for dim, labels in hier_layer_bytes(m, shape, policy, tokens, gather_bytes).items()}
     expert = expert_layer_bytes(m, shape, policy, tokens, gather_bytes)
     if expert and shape.expert_replicas:
         expert.update(copy_layer_bytes(m, shape, policy, tokens, expert_skew, gather_bytes, expert["expert_counts"]))
-    if expert:
-        comm["expert"] = {label: nbytes * grad_accum for label, nbytes in expert.items()}
-    return comm
+    return {"expert": {label: nbytes * grad_accum for label, nbytes in expert.items()}} if expert else {}
 
 
 def expert_layer_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, tokens: int,

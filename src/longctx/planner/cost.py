@@ -234,6 +234,32 @@ def bottleneck(compute: float, exposed: dict[str, float], fsdp_step: float, grad
     return name
 
 
+def planned_skew(m: ModelConfig, shape: MeshShape, expert_skew: float) -> float:
+    """The receive skew a layout is timed and sized at: the request's, at most what routing allows at its expert
+    degree (memory/moe_counts.py max_expert_skew); 1 without expert parallelism."""
+    return min(expert_skew, max_expert_skew(m, shape.expert)) if shape.expert > 1 else 1.0
+
+
+def exposed_expert_parts(m: ModelConfig, hw: Hardware, shape: MeshShape, comm: dict[str, dict[str, float]],
+                         grad_accum: int, tokens: int, skew: float, gpus_per_node: int) -> dict[str, float]:
+    """Seconds per micro-batch of the expert all-to-alls on the most loaded rank ("expert") and, with FlexMoE's
+    copies, of their fetches ("expert_copies", first), from a step's `comm` bytes (comm_bytes_per_step, or its
+    expert dims alone: comm_bytes.expert_step_bytes) at the planned `skew`. `timed` and the search's lower bound
+    (planner/step_bound.py) both time them here, so the bound's term is this figure, not a second formula."""
+    out: dict[str, float] = {}
+    rows = comm.get("expert", {})
+    if shape.expert_replicas:  # FlexMoE's copies: the rank timed at the skew they leave, their fetches apart
+        copies = rows.get("expert_copies", 0.0)
+        rows = {k: v for k, v in rows.items() if k != "expert_copies"}
+        out["expert_copies"] = copy_seconds(copies / grad_accum, shape, hw, gpus_per_node)
+        skew = copy_relief(m.moe_experts, shape.expert, shape.expert_replicas, skew).skew
+    if hierarchical(shape.expert, shape.expert_ranks_per_node):  # its two levels, each over its own link
+        out["expert"] = exposed_hier_seconds(m, shape, comm, grad_accum, tokens, skew, hw, gpus_per_node)
+    else:
+        out["expert"] = exposed_expert_seconds(m, shape, rows, grad_accum, tokens, skew, hw, gpus_per_node)
+    return out
+
+
 def _co2_settled(m: ModelConfig, shape: MeshShape, hw: Hardware, gpus_per_node: int, step_compute: float,
                  tried: tuple[int, ...], overlap: int = 0, states: dict | None = None) -> tuple[MeshShape, float]:
     """(shape, seconds per step of CO2's outer all-reduce the local steps do not hide: those before its
@@ -389,19 +415,10 @@ def timed(m: ModelConfig, hw: Hardware, fp: Footprint, *, seq_len: int, global_b
     e, tokens, micro_batch, compute = hw.dtype_bytes, fp.tokens, fp.micro_batch, fp.compute
     ranks_per_node = min(gpus_per_node, shape.world)
     calls = attention_call_bytes(m, seq_len, micro_batch, shape, e)
-    skew = min(expert_skew, max_expert_skew(m, shape.expert)) if shape.expert > 1 else 1.0
+    skew = planned_skew(m, shape, expert_skew)
     comm = comm_bytes_per_step(m, shape, policy, *calls, grad_accum, e, tokens, skew)
     exposed = exposed_per_micro_batch(m, shape, policy, calls, flops, acts, fp.attn_traffic, hw, gpus_per_node)
-    rows = comm.get("expert", {})
-    if shape.expert_replicas:  # FlexMoE's copies: the rank timed at the skew they leave, their fetches apart
-        copies = rows.get("expert_copies", 0.0)
-        rows = {k: v for k, v in rows.items() if k != "expert_copies"}
-        exposed["expert_copies"] = copy_seconds(copies / grad_accum, shape, hw, gpus_per_node)
-        skew = copy_relief(m.moe_experts, shape.expert, shape.expert_replicas, skew).skew
-    if hierarchical(shape.expert, shape.expert_ranks_per_node):  # its two levels, each over its own link
-        exposed["expert"] = exposed_hier_seconds(m, shape, comm, grad_accum, tokens, skew, hw, gpus_per_node)
-    else:
-        exposed["expert"] = exposed_expert_seconds(m, shape, rows, grad_accum, tokens, skew, hw, gpus_per_node)
+    exposed.update(exposed_expert_parts(m, hw, shape, comm, grad_accum, tokens, skew, gpus_per_node))
     block_fwd = predicted_block_forward_seconds(flops, m, hw)
     fsdp_step = exposed_fsdp_seconds(m, shape, policy, grad_accum, e, block_fwd, acts.recompute_flops, hw,
                                      gpus_per_node)

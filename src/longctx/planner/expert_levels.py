@@ -153,11 +153,21 @@ def router_unit_levels(router_units: list[Unit], shape: MeshShape, nodes: int, r
     return [a - b for a, b in zip(_disjoint(with_routers), _disjoint(alone), strict=True)]
 
 
-def router_sum_levels(m: ModelConfig, world: int, node: int, group: int = 0) -> list[float]:
-    """The router statistics' ring all-reduce over every rank (consecutive ranks): 2 (n - 1) / n of the
-    packed fp32 tensor from each rank (as costs/link_bytes.py rounds the loss's)."""
+def router_sum_bytes(m: ModelConfig, world: int) -> int:
+    """Bytes one rank sends per micro-batch in the router statistics' all-reduce over every rank (parallel/
+    parallelize.py RouterSum, models/moe_stats.py router_terms: 3 L E + 2 L + 1 fp32 values, L the MoE layers of E
+    experts), 2 (n - 1) / n of them as job/comm.py's all_reduce counts a ring (whole bytes; dim and label "router");
+    0 for a dense model or one rank (no sum is installed)."""
+    if not m.is_moe or world <= 1:
+        return 0
     n_layers, experts = len(m.moe_layer_ids), m.moe_experts
-    sent = 2 * 4 * (3 * n_layers * experts + 2 * n_layers + 1) * (world - 1) // world
+    return 2 * 4 * (3 * n_layers * experts + 2 * n_layers + 1) * (world - 1) // world
+
+
+def router_sum_levels(m: ModelConfig, world: int, node: int, group: int = 0) -> list[float]:
+    """The router statistics' ring all-reduce over every rank (consecutive ranks): router_sum_bytes from each rank
+    (as costs/link_bytes.py rounds the loss's)."""
+    sent = router_sum_bytes(m, world)
     return [h * sent for h in ring_hops(world, 1, world, node, group)]
 
 

@@ -1,8 +1,9 @@
 """The ranked plans, timed as they are read: a search keeps every candidate that fits (memory is
 cheap to predict) and times only those that can come before the plans asked for.
 
-Each candidate enters a heap under a lower bound of its sort key (its compute seconds: every other
-part of a step adds to them, planner/cost.py Footprint.lower_bound_s). Reading position i pops the
+Each candidate enters a heap under a lower bound of its sort key (planner/step_bound.py: parts of its
+step that the rest only adds to, its compute, least exposed FSDP, co2's outer all-reduce and expert
+all-to-alls). Reading position i pops the
 heap until the smallest entry is a timed one: a candidate whose bound is smaller is timed and pushed
 back under its real key. Entries of equal keys leave in the order they were found, so the order is
 exactly that of timing every candidate and sorting them stably (tests/unit/test_planner_ranking.py);

@@ -21,12 +21,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..costs.host_bytes import TIERS, device_state_bytes
 from ..costs.shape import MeshShape
-from ..costs.timing import exposed_fsdp_seconds, predicted_block_forward_seconds
 from ..memory.policy import MemoryPolicy
 from ..progress import Phase, phase
 from .candidate_cache import (
@@ -51,6 +50,7 @@ from .request import (
     head_degree_ok,
     policies,
 )
+from .step_bound import bound_keys, step_text
 
 
 @dataclass
@@ -86,11 +86,6 @@ class PlanResult:
         return f[0] if f else None
 
 
-def step_text(step_s: float) -> str:
-    """A predicted step time as the table shows it (4 significant digits); the ranking sorts by it."""
-    return f"{step_s:.4g}"
-
-
 def _sort_key(e: Estimate):
     """Feasible plans by step time as shown (ties: device states, plain FSDP transfers, simpler policy,
     less memory); infeasible ones by memory.
@@ -109,37 +104,6 @@ def _sort_key(e: Estimate):
             p.offload_fraction, round(e.memory["total"] / 2**30),
             p.loss_chunk, p.block_chunk != 0, -p.block_chunk, p.attention_chunk != 0, p.attention_offload,
             e.mesh_shape.dp_replicate, e.mesh_shape.window, p.expert_chunk, e.mesh_shape.expert)
-
-
-def bound_keys(req: Request, found: list[Footprint]) -> Callable[[Footprint], tuple]:
-    """For each candidate a key no larger than _sort_key of its estimate: its step is at least its
-    compute, the FSDP time its layout and micro-batch leave exposed at their least (gradients reduced
-    once per step, the most recomputation any of their candidates runs behind it: exposure only falls
-    with more compute to hide behind) and co2's exposed outer all-reduce; the shown (rounded) time is
-    monotone in the time."""
-    # a layout by the number of its class of equal shapes: the candidates of one layout share its MeshShape object,
-    # so an object is hashed once, not once per candidate (seen keeps each object, so its id stays its own)
-    seen: dict[int, tuple[MeshShape, int]] = {}
-    classes: dict[MeshShape, int] = {}
-
-    def layout(shape: MeshShape) -> int:
-        hit = seen.get(id(shape))
-        if hit is None or hit[0] is not shape:
-            hit = seen[id(shape)] = (shape, classes.setdefault(shape, len(classes)))
-        return hit[1]
-
-    most: dict[tuple, Footprint] = {}  # (layout, micro-batch) -> its candidate with the most recomputation
-    for fp in found:
-        key = (layout(fp.mesh_shape), fp.micro_batch)
-        if key not in most or fp.acts.recompute_flops > most[key].acts.recompute_flops:
-            most[key] = fp
-    hw = req.hardware
-    fsdp = {key: exposed_fsdp_seconds(req.model, fp.mesh_shape, dataclasses.replace(fp.policy, grad_sync="step"),
-                                      fp.grad_accum, hw.dtype_bytes,
-                                      predicted_block_forward_seconds(fp.flops, req.model, hw),
-                                      fp.acts.recompute_flops, hw, req.gpus_per_node) for key, fp in most.items()}
-    return lambda fp: (0, float(step_text(fp.lower_bound_s + fsdp[layout(fp.mesh_shape), fp.micro_batch] +
-                                          fp.co2_outer)))
 
 
 def held(req: Request, shape: MeshShape) -> bool:
