@@ -88,9 +88,16 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, chosen: torch.Tensor | None = None) -> Routing:
         """`chosen` [T, k]: experts decided over a larger call (MoEFeedForward.decide), only weighed here."""
         with torch.autocast(device_type=x.device.type, enabled=False):
-            return self.choose(self.logits(x), chosen)
+            return self.choose(self._logits(x), chosen)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The gate's fp32 logits [T, E] alone, for a caller outside forward (the Sinkhorn assignment's input).
+        forward reads `_logits`, never this: a wrapper installed on `logits` (FSDP2's forward method around the
+        router's own unit, parallel/fsdp/shard.py) must not run inside forward, where nested it left the unit
+        resharded fully after forward (no node-sharded copy under hpz: its backward gathered over every rank)."""
+        return self._logits(x)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type=x.device.type, enabled=False):
             return F.linear(x.float(), self.gate.weight.float())
 

@@ -95,7 +95,7 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
     reshard = hpz_group(cfg, dims) or True
     # (not under hpz: FSDP2 reshards to the node after forward by cutting the gathered flat buffer, dim 0's layout)
     placement = even_placement(shard_mesh.shape[-1]) if reshard is True else None
-    units, expert_units = [], []
+    units, expert_units, router_units = [], [], []
     for group in plan.groups():
         blocks = [model.layers[i] for i in group]
         experts = [b.feed_forward.experts for b in blocks
@@ -106,19 +106,19 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
                                             shard_placement_fn=expert_placement(expert_mesh.size())))
         if mp.param_dtype is not None:  # routers gather fp32 (below), whatever the blocks gather in
             for router in [b.feed_forward.router for b in blocks if isinstance(b.feed_forward, MoEFeedForward)]:
-                fully_shard(router, mesh=shard_mesh, mp_policy=FP32, offload_policy=offload,
-                            reshard_after_forward=reshard, shard_placement_fn=placement)
-                # the MoE layer also calls router.logits directly (the sinkhorn assignment, a padding mask,
-                # block chunks' first pass): FSDP gathers the gate for that call as for forward
+                router_units.append(fully_shard(router, mesh=shard_mesh, mp_policy=FP32, offload_policy=offload,
+                                                reshard_after_forward=reshard, shard_placement_fn=placement))
+                # the MoE layer also calls router.logits directly (the sinkhorn assignment, a padding mask, block
+                # chunks' first pass): FSDP gathers the gate for that call as for forward. Router.forward reads
+                # _logits, never nested in it (the outer post-forward resharded fully: no node copy under hpz)
                 register_fsdp_forward_method(router, "logits")
         units.append(fully_shard(_one_or_list(blocks), mesh=shard_mesh, mp_policy=mp, offload_policy=offload,
                                  reshard_after_forward=reshard, shard_placement_fn=placement))
     fully_shard(model, mesh=shard_mesh, mp_policy=root_precision(mp), offload_policy=offload,
                 shard_placement_fn=placement)
-    # a partition between one rank and the group keeps a node-sharded copy after each forward (reshard_units;
-    # not the routers' units: their forward calls logits, a nested FSDP forward, after which the outer one
-    # reshards fully, leaving the copy where no unshard() reads it)
-    model.node_sharded_units = units if reshard is not True and 1 < reshard < shard_mesh.shape[-1] else []
+    # a partition between one rank and the group keeps a node-sharded copy after each forward (reshard_units)
+    partial = reshard is not True and 1 < reshard < shard_mesh.shape[-1]
+    model.node_sharded_units = [*units, *router_units] if partial else []
     compiled = use_compiled(cfg.parallel.zero_pp_kernels, device_type)
     model.weight_gather = quantize_gathers([*units, model], cfg, dims, compiled, expert_units)
     model.grad_bucket_plan = plan
@@ -235,10 +235,10 @@ def reshard_units(model: torch.nn.Module) -> None:
     plain tensors, not the DTensors the optimizer updates (`full_tensor` failed, a mesh read as None), and
     they held their memory until the next step's backward.
 
-    Under hpz with a larger partition each block unit (`model.node_sharded_units`, shard_model) keeps its
-    node-sharded copy instead, no parameter: FSDP2's reshard() registers the sharded parameters but leaves
-    that copy held (FSDPParam.to_sharded frees only the gathered buffers) until the block's next forward
-    replaces it, 1.57 MB a rank (debug model, 4 ranks, nodes of 2). Only a gather FROM that copy frees it
+    Under hpz with a larger partition each block unit and each MoE router's own unit (`model.node_sharded_units`,
+    shard_model) keeps its node-sharded copy instead, no parameter: FSDP2's reshard() registers the sharded
+    parameters but leaves that copy held (FSDPParam.to_sharded frees only the gathered buffers) until the unit's
+    next forward replaces it, 1.57 MB a rank (debug model, 4 ranks, nodes of 2). Only a gather FROM that copy frees it
     (FSDPParam.to_unsharded), so such a unit is unsharded first, through FSDP2's public unshard(): an
     all-gather within the partition (the node's link, exact under qwz as the backward's), one unit at a
     time, once per evaluation; then reshard() drops the gathered weights. The values are the copy's, never
