@@ -319,7 +319,7 @@ def test_unsupported_features_are_refused():
         ("olmoe", dict(clip_qkv=8.0), "clip_qkv=8.0"),
         ("mixtral", dict(sliding_window=64), "sliding-window"),
         ("qwen2_moe-mlp_only", dict(use_sliding_window=True, sliding_window=64), "sliding-window"),
-        ("qwen3_moe", dict(decoder_sparse_step=0), "decoder_sparse_step=0"),
+        ("qwen3_moe", dict(decoder_sparse_step=0), "decoder_sparse_step is 0"),
         ("qwen2_moe-mlp_only", dict(num_experts=0), "num_experts=0"),
         ("olmoe", dict(head_dim=32), "q/k norms span hidden_size"),
     ]:

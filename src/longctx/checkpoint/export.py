@@ -79,6 +79,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
         save_hf(model, work, max_shard_bytes=max_shard_bytes, dtype=dtype, trained_positions=trained)
         copied = copy_tokenizer_files(source, work) if source is not None else []
         ids, unknown = special_token_ids(manifest)
+        ids, pad_note = _pad_token(cfg, ids)
         config_file = work / "config.json"
         config = {**json.loads(config_file.read_text()), **ids, **_source_window(cfg), **_source_router_coef(cfg)}
         config_file.write_text(json.dumps(config, indent=2) + "\n")
@@ -91,7 +92,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
         raise _write_error(e, model, work, out, dtype) from e
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    notes = (unknown, tokenizer_note, turn_note, _capacity_note(cfg))
+    notes = (unknown, tokenizer_note, turn_note, _capacity_note(cfg), pad_note)
     return out, copied, why, export_notes(cfg, trained) + [n for n in notes if n]
 
 
@@ -244,6 +245,22 @@ def _source_router_coef(cfg) -> dict:
         return {}
     coef = {**MOE_DEFAULTS.get(cfg.family, {}), **{k: v for k, v in hf.items() if v is not None}}
     return {"router_aux_loss_coef": coef["router_aux_loss_coef"]} if "router_aux_loss_coef" in coef else {}
+
+
+def _pad_token(cfg, ids: dict) -> tuple[dict, str]:
+    """(the special ids with pad_token_id as the model trained: model.padding_idx where it is set, the source's own
+    value kept where it names the same row, e.g. -1; a note where none is set but an id is written, the source's or
+    the tokenizer's, whose row transformers' embedding (padding_idx) gives no gradient and the run trained)."""
+    pad = ids.get("pad_token_id")
+    pad = pad if isinstance(pad, int) and not isinstance(pad, bool) else None
+    if cfg.padding_idx >= 0:
+        return (ids if pad is not None and pad % cfg.vocab_size == cfg.padding_idx else
+                {**ids, "pad_token_id": cfg.padding_idx}), ""
+    if pad is None:
+        return ids, ""
+    return ids, (f"config.json's pad_token_id is {pad}, the row transformers' embedding gives no gradient (its "
+                 f"padding_idx); this run trained that row (model.padding_idx -1), so a transformers fine-tune of the "
+                 f"export keeps it fixed where longctx moved it")
 
 
 def special_token_ids(manifest: dict) -> tuple[dict, str]:

@@ -28,7 +28,8 @@ from .manifest import read_manifest, verify
 # (generate and eval only, never trained with): it changes the target's positions at decode time, which a draft
 # reads with plain RoPE (its acceptance may drop; verification keeps decoding lossless: docs/generate.md)
 _NOT_COMPUTED = ("preset", "init_from", "init_std", "max_seq_len", "rope_ms_poe", "rope_ms_poe_min",
-                 "rope_ms_poe_max", "rope_ms_poe_order", "rope_ms_poe_skip_layers")
+                 "rope_ms_poe_max", "rope_ms_poe_order", "rope_ms_poe_skip_layers",
+                 "padding_idx")  # (which embedding row training leaves fixed: the target computes the same)
 _PREFIX = "draft."
 DRAFT_KINDS = ("glide", "clover")  # a record's "kind" (draft.kind)
 _NAMES = {"glide": "GliDe", "clover": "Clover"}

@@ -28,6 +28,8 @@ false (transformers' default, and the published configs') there is none: moe.aux
 families never write or read it, so it is there only where longctx's export wrote a z-loss the model
 trained with (a transformers config has none: moe.z_loss = 0, as transformers trains).
 `router_loss_note` says which, once, when a run starts from the weights.
+`pad_token_id` (OLMoE's class default 1 where the file has none) is model.padding_idx: every family's transformers
+embedding takes it as nn.Embedding's padding_idx, whose row gets no gradient, and so does longctx's.
 RoPE types: default, linear, llama3 and yarn, in the classic (`rope_theta` + `rope_scaling`) or the
 newer (`rope_parameters`) form (config/hf_rope.py). A key config.json leaves out is the family's
 default in transformers (config/hf_families.py), not longctx's.
@@ -45,9 +47,13 @@ from .hf_families import (
     FAMILIES,
     MOE_DEFAULTS,
     HFFormatError,
+    check_heads,
     check_hf_values,
+    check_moe_values,
     check_sliding_window,
     check_unquantized,
+    embedding_padding_idx,
+    experts_key,
     family_window,
     qwen_moe_dense_layers,
     with_family_defaults,
@@ -65,7 +71,7 @@ EXTENSION_KEYS = frozenset({
 })
 # [model] keys that change how a loaded model trains, not what its weights compute: free too
 TRAINING_KEYS = frozenset({"moe.aux_loss", "moe.aux_loss_scope", "moe.z_loss", "moe.capacity_factor",
-                           "moe.bias_update_rate"})
+                           "moe.bias_update_rate", "padding_idx"})
 # how each weight-shaping [model] key reads in config.json (for the error that names both);
 # a key whose name depends on the family maps to {family: name}
 _HF_KEY: dict[str, Any] = {
@@ -74,7 +80,7 @@ _HF_KEY: dict[str, Any] = {
     "vocab_size": "vocab_size", "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings",
     "qkv_bias": {"qwen2_moe": "qkv_bias", None: "attention_bias"}, "out_bias": "attention_bias",
     "qk_norm": "model_type", "qk_norm_span": "model_type",
-    "moe.experts": {None: "model_type"},  # (the MoE families: _experts_key)
+    "moe.experts": {None: "model_type"},  # (the MoE families: experts_key)
     "moe.top_k": {None: "num_experts_per_tok"},
     "moe.expert_dim": {"qwen2_moe": "moe_intermediate_size", "qwen3_moe": "moe_intermediate_size",
                        None: "intermediate_size"},
@@ -88,7 +94,7 @@ _HF_KEY: dict[str, Any] = {
 
 def _hf_key(key: str, family: str | None, hf: dict | None = None) -> str:
     if key == "moe.experts" and family in MOE_FAMILIES:
-        return _experts_key(hf or {}, family)
+        return experts_key(hf or {}, family)
     name = _HF_KEY.get(key, "model_type")
     return name.get(family, name[None]) if isinstance(name, dict) else name
 
@@ -137,25 +143,14 @@ def format_layer_list(layers) -> str:
     return ",".join(out)
 
 
-# the expert count's names, the family's own first (transformers' attribute_map makes either one
-# work; Hub configs write num_experts for Qwen3-MoE, transformers 5 num_local_experts)
-_EXPERT_KEYS = {"mixtral": ("num_local_experts", "num_experts"), "qwen2_moe": ("num_experts",),
-                "qwen3_moe": ("num_local_experts", "num_experts"), "olmoe": ("num_experts", "num_local_experts")}
-
-
-def _experts_key(hf: dict, family: str) -> str:
-    """The config.json key that gives the expert count (the family's own name when none does)."""
-    keys = _EXPERT_KEYS.get(family, ("num_experts",))
-    return next((k for k in keys if hf.get(k) is not None), keys[0])
-
-
 def _moe_fields(hf: dict, family: str, where: str) -> dict[str, Any]:
     """The [model.moe] keys of a Mixture-of-Experts config.json (config keys: "moe.experts", ...)."""
+    check_moe_values(hf, where)  # (every value below computed with is the type it is read as)
     d = {**MOE_DEFAULTS[family], **{k: v for k, v in hf.items() if v is not None}}
     if family == "mixtral":  # (router_jitter_noise, training's alone in transformers: init_from_notes)
-        experts, expert_dim, norm_topk = d.get(_experts_key(hf, family), 8), hf["intermediate_size"], True
+        experts, expert_dim, norm_topk = d.get(experts_key(hf, family), 8), hf["intermediate_size"], True
     else:
-        experts, norm_topk = d.get(_experts_key(hf, family), d["num_experts"]), bool(d["norm_topk_prob"])
+        experts, norm_topk = d.get(experts_key(hf, family), d["num_experts"]), bool(d["norm_topk_prob"])
         expert_dim = d["moe_intermediate_size"] if family in ("qwen2_moe", "qwen3_moe") else hf["intermediate_size"]
     if experts <= 0:
         raise HFFormatError(f"{where}: {_hf_key('moe.experts', family, hf)}={experts}, a {family} without experts; "
@@ -278,7 +273,7 @@ def model_fields_from_hf(hf: dict, where: str = "config.json", max_seq_len: int 
         kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
         ffn_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"],
         norm_eps=float(hf["rms_norm_eps"]),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), padding_idx=embedding_padding_idx(hf),
         qkv_bias=qkv_bias, out_bias=out_bias,
         qk_norm=family in ("qwen3", "qwen3_moe", "olmoe"),
         qk_norm_span="all" if family == "olmoe" else "head",
@@ -437,8 +432,9 @@ def resolve_init_from(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]
                 f"{fields[key]!r}. Drop the override; only context-extension keys "
                 f"({', '.join(sorted(EXTENSION_KEYS))}) and training keys ({', '.join(sorted(TRAINING_KEYS))}) "
                 f"may differ from the weights.")
-    origin = None if source.startswith("hf:") else initial_hf_config(source)
-    if origin is not None:  # (a window binds every run that started from the weights, however far back)
+    if source.startswith("hf:"):  # (after the contradictions: a key the user set is said first)
+        check_heads(hf, str(where))
+    elif (origin := initial_hf_config(source)) is not None:  # (a window binds every run started from the weights)
         check_sliding_window(origin, f"model.init_from = {source!r} started from weights whose config.json says",
                              fields["max_seq_len"])
     fields.update(preset=preset, init_from=source)

@@ -168,6 +168,8 @@ def hf_config_from_model(m, dtype_name: str = "float32", trained: int = 0) -> di
         "num_key_value_heads": m.kv_heads, "head_dim": m.resolved_head_dim, "intermediate_size": m.ffn_dim,
         "vocab_size": m.vocab_size, "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
         "max_position_embeddings": _max_positions(m, trained), "initializer_range": m.init_std, "hidden_act": "silu",
+        # (null, not left out, for none: OLMoE's class reads a missing one as 1 and would stop that row's gradient)
+        "pad_token_id": m.padding_idx if m.padding_idx >= 0 else None,
         "rope_theta": m.rope_theta, "rope_scaling": None if m.rope_scaling == "none" else rope,
         "torch_dtype": dtype_name, "dtype": dtype_name,
     }

@@ -37,9 +37,10 @@ FAMILIES = {
 # each family's defaults for the keys that shape what the weights compute: rms_norm_eps,
 # max_position_embeddings (also yarn's and llama3's original length when their settings give none),
 # num_key_value_heads (absent from a row: as many as the heads), head_dim (absent: hidden_size / heads),
-# sliding_window (Mistral's; Qwen's applies only with use_sliding_window: windowed_layers), and
-# rope_theta (the class's `default_theta`). From LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
-# MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig, OlmoeConfig in that order.
+# sliding_window (Mistral's; Qwen's applies only with use_sliding_window: windowed_layers),
+# rope_theta (the class's `default_theta`) and pad_token_id (absent from a row: none; OLMoE's is 1).
+# From LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig,
+# OlmoeConfig in that order.
 FAMILY_DEFAULTS: dict[str, dict] = {
     "llama": dict(rms_norm_eps=1e-6, max_position_embeddings=2048, rope_theta=10000.0),
     "mistral": dict(rms_norm_eps=1e-6, max_position_embeddings=131072, rope_theta=10000.0, num_key_value_heads=8,
@@ -51,7 +52,7 @@ FAMILY_DEFAULTS: dict[str, dict] = {
                     sliding_window=None),
     "qwen2_moe": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, rope_theta=10000.0, num_key_value_heads=16),
     "qwen3_moe": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, rope_theta=10000.0, num_key_value_heads=4),
-    "olmoe": dict(rms_norm_eps=1e-5, max_position_embeddings=4096, rope_theta=10000.0),
+    "olmoe": dict(rms_norm_eps=1e-5, max_position_embeddings=4096, rope_theta=10000.0, pad_token_id=1),
 }
 # the Mixture-of-Experts keys, from the same classes (output_router_logits: false in every one)
 MOE_DEFAULTS = {
@@ -225,12 +226,19 @@ def check_hf_values(hf: dict, where: str) -> None:
         value = hf.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise bad(key, value, "an integer (or null)")
-    for key in _NUMBER_KEYS:
-        if key in hf and not _is_number(hf[key]):
+    for key in (k for k in _NUMBER_KEYS if k in hf):
+        if not _is_number(hf[key]):
             raise HFFormatError(f"{where}: {key} is {json.dumps(hf[key])}, not a number (transformers would build "
                                 f"a model that fails or computes with it); set it to the value the weights were "
                                 f"trained with, or remove the key for the {family} default "
                                 f"({FAMILY_DEFAULTS[family].get(key)}).")
+        whole = key != "max_position_embeddings" or isinstance(hf[key], int)  # (transformers' int field)
+        if hf[key] <= 0 or not whole:  # (was model.norm_eps / max_seq_len's rule naming keys never set; 8.5 read as 8)
+            raise bad(key, hf[key], "a positive " + ("number" if key == "rms_norm_eps" else "integer") +
+                      _write_as(hf[key]))
+    if hf.get("num_key_value_heads") == 0:  # (transformers divides by it; null, not 0, means as many as the heads)
+        raise bad("num_key_value_heads", 0, "a positive integer (or null: as many as the heads)")
+    check_pad_token(hf, where)
     for key in _OPTIONAL_NUMBER_KEYS:
         if hf.get(key) is not None and not _is_number(hf[key]):
             raise bad(key, hf[key], "a number (or null)")
@@ -245,3 +253,125 @@ def check_hf_values(hf: dict, where: str) -> None:
         for key in (k for s in settings for k in _ROPE_NUMBER_KEYS if s.get(k) is not None):
             if not _is_number(settings[0][key]):
                 raise bad(f"{name}.{key}", settings[0][key], "a number")
+
+
+# the expert count's names, the family's own first (transformers' attribute_map makes either one
+# work; Hub configs write num_experts for Qwen3-MoE, transformers 5 num_local_experts)
+EXPERT_KEYS = {"mixtral": ("num_local_experts", "num_experts"), "qwen2_moe": ("num_experts",),
+               "qwen3_moe": ("num_local_experts", "num_experts"), "olmoe": ("num_experts", "num_local_experts")}
+
+
+def experts_key(hf: dict, family: str) -> str:
+    """The config.json key that gives the expert count (the family's own name when none does)."""
+    keys = EXPERT_KEYS.get(family, ("num_experts",))
+    return next((k for k in keys if hf.get(k) is not None), keys[0])
+
+
+# the Mixture-of-Experts keys longctx reads, by family, with what each must hold: "count" an integer >= 0,
+# "size" one >= 1, "weight" a number >= 0 (an int too: transformers 4 reads one, and longctx takes float() of it)
+_MOE_VALUE_KEYS = {
+    "num_experts_per_tok": "count", "router_aux_loss_coef": "weight", "router_z_loss_coef": "weight",
+    "moe_intermediate_size": "size", "shared_expert_intermediate_size": "count", "decoder_sparse_step": "size",
+}
+_MOE_KEY_FAMILIES = {"moe_intermediate_size": ("qwen2_moe", "qwen3_moe"), "shared_expert_intermediate_size":
+                     ("qwen2_moe",), "decoder_sparse_step": ("qwen2_moe", "qwen3_moe")}
+_WANT = {"count": "an integer (0 or more)", "size": "a positive integer", "weight": "a number (0 or more)"}
+
+
+def check_moe_values(hf: dict, where: str) -> None:
+    """Every Mixture-of-Experts value of `hf` that longctx reads (the family's own keys) has the type and range
+    its reader computes with, or an HFFormatError naming the key, its value and the fix. Before, an expert count
+    "8" stopped with a bare TypeError ('<=' between str and int), and 8.5, true or null were read silently as 8,
+    1 or the family's default, a model transformers refuses. An integer key holds a JSON integer: transformers
+    5's config classes are strict dataclasses that refuse 8.0 for an int field (and 4.x's build failed in
+    range(8.0)), so an integral float is refused too, with the integer to write (_write_as). An explicit null is
+    refused where transformers' class has no null (every key here: only a missing key takes the family default)."""
+    family = hf.get("model_type")
+
+    def bad(key, value, want, fix="set it to the value the weights were trained with"):
+        fix = f"write {int(value)}, a JSON integer" if _write_as(value) and want != _WANT["weight"] else fix
+        why = ("a key only longctx's export writes (transformers never reads it)" if key == "router_z_loss_coef" else
+               f"transformers' {FAMILIES[family].replace('ForCausalLM', 'Config')} refuses it or builds no model "
+               f"from it")
+        return HFFormatError(f"{where}: {key} is {json.dumps(value)}, not {want}: {why}; {fix}.")
+
+    keys = [k for k in EXPERT_KEYS[family] if k in hf]
+    for key in keys:
+        if not _is_count(hf[key]):
+            raise bad(key, hf[key], "an integer (the routed experts per layer)",
+                      "set it to the number of experts the weights hold (a layer's experts.N tensors)")
+    if len(keys) == 2 and hf[keys[0]] != hf[keys[1]]:  # (transformers' attribute_map lets the alias win)
+        raise HFFormatError(f"{where}: the expert count is given twice, {keys[0]}={hf[keys[0]]} and {keys[1]}="
+                            f"{hf[keys[1]]}, and transformers reads {keys[1]}'s; keep one of the keys (the one "
+                            f"that matches the experts the weights hold).")
+    for key, kind in _MOE_VALUE_KEYS.items():
+        if key not in hf or family not in _MOE_KEY_FAMILIES.get(key, (family,)):
+            continue
+        value = hf[key]
+        if value is None and key == "router_z_loss_coef":  # (null: no z-loss, as a file without the key)
+            continue
+        fine = _is_number(value) and value >= 0 if kind == "weight" else _is_count(value) and (kind == "count" or
+                                                                                               value >= 1)
+        if not fine:
+            raise bad(key, value, _WANT[kind])
+    only = hf.get("mlp_only_layers") if family in ("qwen2_moe", "qwen3_moe") else None
+    if only is not None and not (isinstance(only, list) and all(_is_count(i) for i in only)):
+        raise bad("mlp_only_layers", only, "a list of layer indices (or null)",
+                  "write the dense layers as a list of integers, e.g. [0, 1]")
+
+
+def _write_as(value) -> str:
+    """The integer to write for an integral float (transformers 5's strict config classes refuse 8.0 for an int
+    field, and 4.x's builds failed in range(8.0)); '' for any other value."""
+    return f" (write {int(value)}, a JSON integer)" if isinstance(value, float) and value.is_integer() else ""
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_pad_token(hf: dict, where: str) -> None:
+    """config.json's pad_token_id, which every family longctx reads passes to its nn.Embedding as padding_idx:
+    an integer (or null: none) that torch's embedding takes, -vocab_size up to vocab_size - 1 (a negative one
+    counts from the end, as torch counts it; transformers warns and builds it). Else transformers refuses the
+    file (a float, text or bool: its strict config class) or fails building the embedding (out of range)."""
+    pad, vocab = hf.get("pad_token_id"), hf["vocab_size"]
+    if pad is None or isinstance(pad, int) and not isinstance(pad, bool) and -vocab <= pad < vocab:
+        return
+    want = "a token id below vocab_size" if isinstance(pad, int) and not isinstance(pad, bool) else "an integer"
+    raise HFFormatError(f"{where}: pad_token_id is {json.dumps(pad)}, not {want} ({vocab}) or null: transformers' "
+                        f"{FAMILIES[hf['model_type']]} takes it as its embedding's padding_idx and cannot build that "
+                        f"embedding; set the id of the pad token in the weights' tokenizer{_write_as(pad)}, or null if "
+                        f"it has none.")
+
+
+def embedding_padding_idx(hf: dict) -> int:
+    """model.padding_idx for config.json `hf` (checked by check_pad_token): the row transformers' embedding gives no
+    gradient, its pad_token_id (the family's default where the file has none: OLMoE's 1) counted as torch counts a
+    negative one; -1 when none."""
+    pad = with_family_defaults(hf).get("pad_token_id")
+    return -1 if pad is None else pad % hf["vocab_size"]
+
+
+def check_heads(hf: dict, where: str) -> None:
+    """The attention shape of config.json `hf` (read with its family defaults) that some model computes, said by
+    config.json's keys: before, a run stopped at the rules of model.heads / model.kv_heads / model.dim, keys the user
+    never set, and load_hf alone named the file. transformers refuses hidden_size not divisible by the heads without
+    a head_dim (its class validation) and fails in its forward on the other two."""
+    d = with_family_defaults(hf)
+    heads, kv_heads = d["num_attention_heads"], d.get("num_key_value_heads") or d["num_attention_heads"]
+    if heads % kv_heads:
+        kv_said = "" if "num_key_value_heads" in hf else f" (config.json has none: {hf['model_type']}'s default)"
+        raise HFFormatError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+                            f"{kv_said}: grouped-query attention shares each key/value head among a whole number of "
+                            f"query heads, so no model computes it. Set num_key_value_heads to the weights' (their "
+                            f"k_proj rows / head_dim).")
+    if not d.get("head_dim") and hf["hidden_size"] % heads:
+        raise HFFormatError(f"{where}: hidden_size={hf['hidden_size']} is not a multiple of num_attention_heads="
+                            f"{heads} and config.json gives no head_dim: set head_dim to the weights' (their q_proj "
+                            f"rows / num_attention_heads).")
+    head_dim = d.get("head_dim") or hf["hidden_size"] // heads
+    if head_dim % 2:
+        raise HFFormatError(f"{where}: the head size {head_dim} is odd, and RoPE rotates pairs of dimensions, so no "
+                            f"{hf['model_type']} computes it; set head_dim (or hidden_size / num_attention_heads) to "
+                            f"the weights' head size.")

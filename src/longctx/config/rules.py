@@ -79,6 +79,9 @@ def _model_rules(cfg: Config, problems: list[str]) -> None:
             f"model.heads ({m.heads}) must be divisible by model.kv_heads ({m.kv_heads}) for grouped-query "
             f"attention; choose kv_heads among {among(m.heads)}."
         )
+    if not -1 <= m.padding_idx < max(m.vocab_size, 0):  # (nn.Embedding's own assertion, said as the key)
+        problems.append(f"model.padding_idx must be -1 (none) or a token id below model.vocab_size ({m.vocab_size}), "
+                        f"got {m.padding_idx}.")
     if m.head_dim < 0:
         problems.append(f"model.head_dim must be 0 (= dim // heads) or positive, got {m.head_dim}.")
     elif m.head_dim == 0 and m.heads > 0 and m.dim % m.heads:

@@ -85,6 +85,8 @@ class ModelConfig:
                                   choices=("attention", "index"))
     rope_ms_poe_skip_layers: int = _opt(2, "Ms-PoE: the first layers that keep plain RoPE (the paper keeps 2)")
     tie_embeddings: bool = _opt(False, "share the input embedding with the LM head")
+    padding_idx: int = _opt(-1, "token id whose embedding row gets no gradient (torch's nn.Embedding padding_idx; hf: "
+                                "imports set config.json's pad_token_id, as transformers' embedding does); -1 = none")
     max_seq_len: int = _opt(131072, "longest sequence the model is meant for (recorded in exports)")
     init_std: float = _opt(0.02, "std of the normal initialisation")
     init_from: str = _opt("", "start from weights: '' (random), 'hf:DIR' (a local Hugging Face directory of Llama, "
@@ -260,8 +262,7 @@ class TrainConfig:
     spike_factor: float = _opt(0.0, "a step whose loss exceeds this many times the median of the last "
                                     "train.spike_window steps' losses is a spike, handled as train.on_nonfinite says "
                                     "(e.g. 3 with rollback); 0 = no spike check")
-    spike_window: int = _opt(32, "steps whose losses give the running median of the spike check (it starts once "
-                                 "the window is full)")
+    spike_window: int = _opt(32, "steps whose losses give the spike check's running median (it starts when full)")
     seed: int = _opt(0, "seed for weights, data order and everything else random")
     device: str = _opt("auto", "where to train", choices=("auto", "cpu", "cuda"))
     dtype: str = _opt("auto", "compute precision: auto = bf16 autocast on a GPU with native bf16 (Ampere on), "
@@ -347,9 +348,8 @@ class MemoryConfig:
     expert_chunk: int = _opt(0, "MoE: rows of routed tokens the experts run at a time, each piece recomputed in "
                                 "backward, so the experts' intermediates stay bounded however skewed the routing "
                                 "(under parallel.expert a rank may receive every token of its group); 0 = all at once")
-    attention_offload: bool = _opt(False, "keep the attention core's saved state (its q, k, v, out, lse chunks) in "
-                                   "host memory between forward and backward, brought back one chunk ahead; needs "
-                                   "attention_chunk > 0")
+    attention_offload: bool = _opt(False, "keep the attention core's saved q, k, v, out, lse chunks in host memory "
+                                   "from forward to backward, fetched one chunk ahead; needs attention_chunk > 0")
     loss_chunk: int = _opt(4096, "tokens per chunk of the LM head + cross-entropy when a rank holds more tokens "
                            "than this (logits [tokens, vocab] never exist); 0 = never chunk")
     grad_sync: str = _opt("step", "with train.grad_accum > 1 under FSDP: reduce gradients once per step (step: least "

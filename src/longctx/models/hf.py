@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from ..config import ModelConfig
 from ..config.hf import HFFormatError, model_config, model_fields_from_hf, read_hf_config
 from ..config.hf_export import hf_config_from_model
+from ..config.hf_families import check_heads
 from ..progress import phase, say
 from .hf_files import open_safetensors, weight_files
 from .llama import Llama, build_model
@@ -319,12 +320,7 @@ def load_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | 
     path = Path(path)
     hf = read_hf_config(path)
     cfg = config_from_hf(hf, str(path / "config.json"))
-    if cfg.heads % cfg.kv_heads:  # (a run's config rules refuse it; transformers builds it and fails in its forward)
-        kv_said = "" if "num_key_value_heads" in hf else f" (config.json has none: transformers' {cfg.family} default)"
-        raise HFFormatError(f"{path / 'config.json'}: num_attention_heads={cfg.heads} is not a multiple of "
-                            f"num_key_value_heads={cfg.kv_heads}{kv_said}: grouped-query attention shares each "
-                            f"key/value head among a whole number of query heads, so no model computes it. Set "
-                            f"num_key_value_heads to the weights' (their k_proj rows / head_dim).")
+    check_heads(hf, str(path / "config.json"))  # (a run's reader checks it after the keys the user set)
     model = build_model(cfg, device="meta")
     model.to_empty(device=device)
     load_hf_weights(model, path)

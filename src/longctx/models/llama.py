@@ -231,7 +231,8 @@ class Llama(nn.Module):
         if ms_poe_problems(cfg):  # (config validation says it first; a model built from a bare ModelConfig here)
             raise ConfigError(" ".join(ms_poe_problems(cfg)))
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # model.padding_idx: the row torch's embedding backward leaves without gradient (transformers' pad_token_id)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, cfg.padding_idx if cfg.padding_idx >= 0 else None)
         sparse = set(cfg.moe_layer_ids)
         self.layers = nn.ModuleList(Block(cfg, moe=i in sparse) for i in range(cfg.layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -293,6 +294,8 @@ class Llama(nn.Module):
             else:
                 s = out_std if name.endswith(("attention.wo.weight", "w2.weight", "experts.w2")) else std
                 nn.init.normal_(full, mean=0.0, std=s, generator=gen)
+            if name == "tok_embeddings.weight" and self.cfg.padding_idx >= 0:  # (as nn.Embedding and transformers
+                full[self.cfg.padding_idx] = 0.0  # initialise it: a row no gradient moves starts at zero)
             write_full(p, full)
         for layer in moe_layers(self):
             layer.router.expert_bias.zero_()
