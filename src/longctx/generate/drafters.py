@@ -159,7 +159,8 @@ def _confidence(logits: torch.Tensor, q: torch.Tensor, choice: int, sampling: Sa
 class GlideDrafter(ModelDrafter):
     """A GliDe draft (models/glide.py): its own cache holds only its few layers' keys, and its
     cross-attention reads the target's cache as the last verification left it (every proposal of a
-    round sees the same target slots, as in training's block-stale mask). The target's cache is on
+    round sees the same target slots, as in training's block-stale mask; a verified token fed late,
+    the slots training shows its position). The target's cache is on
     one device (models/kv_cache.KVCache) or sharded over head x ctx ranks (generate/sharded.py: read
     through its read_attention, each rank its share, merged), the draft run alike on every rank."""
 
@@ -210,13 +211,26 @@ class GlideDrafter(ModelDrafter):
         return [functools.partial(tc.read_attention, layer) for layer in self.model.target_layers]
 
     def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The draft's logits after `tokens` [1, n]: the round's (at positions >= the target's slots) read
+        every slot; verified tokens fed before the pending one read what training shows their positions
+        (models/glide.py decode_visible). Until 2026-12-07 they read every slot too, their own and, after a
+        run of adaptive K's plain steps, every later one: what a 2+ layer draft's own cache kept of them
+        (its layers past the first) was computed from reads training never showed it."""
+        from ..models.glide import decode_visible, masked_prefix_attention
+
         device, n = tokens.device, tokens.shape[1]
-        positions = self.offset + int(self.cache.lengths[0]) + torch.arange(n, device=device)
+        first = self.offset + int(self.cache.lengths[0])
         slots = int(self.target_cache.lengths[0])
-        # one cache: every query reads its first `slots` (models/glide.py prefix_attention); sharded, the
-        # reader takes a per-query limit
-        visible = slots if isinstance(self.target_cache, KVCache) else torch.full((1, n), slots, device=device)
-        return self.model(self.target, tokens, positions[None], self._target_kv(), visible, cache=self.cache)[0, -1]
+        positions = first + torch.arange(n, device=device)[None]
+        kv = self._target_kv()
+        if first >= slots:  # (no verified token in the feed) one cache: every query reads its first `slots`,
+            # one kernel call without a mask (prefix_attention)
+            visible = slots if isinstance(self.target_cache, KVCache) else torch.full((1, n), slots, device=device)
+        else:
+            visible = decode_visible(positions, slots, self.block)
+            if isinstance(self.target_cache, KVCache):  # (a reader: the masked read of the first `slots`)
+                kv = [functools.partial(masked_prefix_attention, k, v, slots) for k, v in kv]
+        return self.model(self.target, tokens, positions, kv, visible, cache=self.cache)[0, -1]
 
 
 class _StateSink:

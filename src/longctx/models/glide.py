@@ -14,7 +14,9 @@ Training sees the same thing, block-stale: position t sees the target's position
 of its block of `block` tokens (block = the speculation length), t // block * block of them
 (`block_stale_visible`); on packed documents t is the position within its document and only that
 document's keys are seen (`block_stale_limit`, with key positions and document ids passed to
-`cross_attention`). train/glide.py trains a draft so, against a frozen target.
+`cross_attention`). train/glide.py trains a draft so, against a frozen target. A verified token fed to
+the draft late, with a round's pending one, reads as training reads its position, never its own or a
+later slot (`decode_visible`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,30 @@ def block_stale_limit(positions: torch.Tensor, block: int) -> torch.Tensor:
     """Per query at (document-relative) `positions`: the target keys of its document it sees are those
     at positions below this, the start of its block of `block` tokens."""
     return torch.div(positions, block, rounding_mode="floor") * block
+
+
+def decode_visible(positions: torch.Tensor, slots: int, block: int) -> torch.Tensor:
+    """Per draft query at `positions` fed at decode time, when the target's cache holds `slots` slots
+    (positions 0..slots-1): the target positions below which it may read, as training reads them.
+    A query at or past `slots` (the pending token and the round's proposals) reads every slot: the cache
+    as the last verification left it, training's block-stale view with the round as the block. A query
+    before `slots` is a verified token the draft is fed late (a fully kept round's last proposal, CaPE's
+    kept alternative, adaptive K's plain steps, the prompt's last token): the target already holds its
+    own slot and those after it, which training never shows that position, so it reads training's
+    `block_stale_limit` of its position, as the drafter's prompt pass does."""
+    return torch.where(positions < slots, block_stale_limit(positions, block), torch.full_like(positions, slots))
+
+
+def masked_prefix_attention(k: torch.Tensor, v: torch.Tensor, slots: int, q: torch.Tensor,
+                            visible: torch.Tensor) -> torch.Tensor:
+    """prefix_attention with a limit per query: query i reads the slots below visible[:, i] (<= `slots`) of
+    the first `slots` (a decode feed of several tokens: `decode_visible`). One masked kernel call and no
+    host read; a query that sees no slot gets 0. Bound to a cache's k, v and slots it is a reader
+    `read(q, visible)`, as GlideLayer takes one."""
+    if slots <= 0:
+        return torch.zeros_like(q)
+    key_pos = torch.arange(slots, device=q.device)[None]
+    return _masked_chunk(q, k[:, :, :slots], v[:, :, :slots], key_pos, visible, None, None)
 
 
 _DOC_SHIFT = 32  # a key's sort code: document id << 32 | position (positions < 2^32)
