@@ -120,6 +120,18 @@ def _without_ignored_build_keys(saved: dict) -> dict:
     return {**saved, "data": {k: v for k, v in data.items() if k not in STORE_BUILD_KEYS}}
 
 
+def _padding_idx_as_trained(saved: dict) -> tuple[dict, str]:
+    """A saved config of a run from hf:DIR written before model.padding_idx existed (its [model] lists every key but
+    that one) trained every embedding row: resolved now, config.json's pad_token_id would set it and the resumed run
+    would stop training the pad row its steps so far trained. Kept at -1 (none), as it trained, and said."""
+    model = saved.get("model", {})
+    if "padding_idx" in model or not str(model.get("init_from", "")).startswith("hf:"):
+        return saved, ""
+    return {**saved, "model": {**model, "padding_idx": -1}}, (
+        "model.padding_idx -1 (every embedding row trained), as this run trained before longctx read config.json's "
+        "pad_token_id; --model.padding_idx ID with --checkpoint.allow_changes true stops that row's training")
+
+
 def _merge(base: dict, top: dict) -> dict:
     out = {section: dict(values) for section, values in base.items()}
     for section, values in top.items():
@@ -144,7 +156,7 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
         return build_config(given), None
     # (its sub-tables, such as [model.moe], flattened as given ones are; keys renamed since it was written,
     # config/fields.py RENAMED_KEYS, read under their new names)
-    saved = _without_ignored_build_keys(run.saved)
+    saved, padding_note = _padding_idx_as_trained(_without_ignored_build_keys(run.saved))
     base = _merge(saved, {})
     moved = drop_own_paths(base, given) if run.checkpoint else ""  # (where the old run wrote: this run's own)
     # (asked of this resume alone: a saved true, from an earlier resume's flag, let every later one change anything)
@@ -180,7 +192,8 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
     later = origin.later(diffs)
     changes = [f"{s}.{k} {_show(a)} -> {_show(b)}" + (f" ({origin.from_run_file()})" if (s, k) in later else "")
                for s, k, a, b in diffs]
-    note = "; ".join(n for n in (origin.note, moved) if n)
+    padding_note = "" if "padding_idx" in given.get("model", {}) else padding_note  # (given: said as a change)
+    note = "; ".join(n for n in (origin.note, moved, padding_note) if n)
     return cfg, Resumed(run.named, changes + origin.restored(after, NOT_SETTINGS), note, run.said)
 
 
@@ -200,7 +213,7 @@ def _no_longer_loads(run: RunBase, e: UserError) -> ConfigError:
 def recorded_config(text: str) -> dict:
     """A checkpoint's record of its run's config.toml (its manifest's "config"), loaded as config.toml is."""
     raw = read_raw("the checkpoint's recorded config", text=text, saved_run=True)
-    return to_dict(build_config(_without_ignored_build_keys(raw)))
+    return to_dict(build_config(_padding_idx_as_trained(_without_ignored_build_keys(raw))[0]))
 
 
 def _follow_another_target(base: dict, given: dict) -> None:
