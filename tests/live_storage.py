@@ -47,3 +47,20 @@ class LiveStorages(TorchDispatchMode):
         ptrs = {t.untyped_storage().data_ptr() for t in besides}
         skip = {self.held[p][0] for p in ptrs if p in self.held}
         return max(sum(n for serial, n in live.items() if serial not in skip) for live in self.steps[since:])
+
+
+def held_bytes(leave_out=()) -> int:
+    """Bytes of the distinct storages behind every live plain tensor of this process (a DTensor's local shard is
+    one of them), less those of the tensors `leave_out`: what a rank holds, FSDP2's private buffers included."""
+    import gc
+    import warnings
+
+    gc.collect()
+    with warnings.catch_warnings():  # (isinstance on torch.distributed's deprecated reduce_op object warns)
+        warnings.simplefilter("ignore", FutureWarning)
+        objects = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in objects
+                if not isinstance(t, DTensor) and t.device.type != "meta"}
+    for t in leave_out:
+        storages.pop(t.untyped_storage().data_ptr(), None)
+    return sum(storages.values())

@@ -11,13 +11,12 @@
   block units reshard in their own post-forward (reshard_after_forward True, no_grad or not) and _target
   reshards the root, so nothing but its outputs stays: every unit sharded, no byte more held."""
 
-import gc
 import hashlib
-import warnings
 
 import pytest
 import torch
 
+from live_storage import held_bytes
 from longctx.config import load_config
 from longctx.job.spawn import run_spawned, run_spawned_many
 
@@ -35,24 +34,6 @@ def _silent(*_a, **_k):
     pass
 
 
-def _held_bytes(leave_out=()) -> int:
-    """Bytes of the distinct storages behind every live plain tensor of this process (a DTensor's local shard is
-    one of them), less those of the tensors `leave_out`."""
-    from torch.distributed.tensor import DTensor
-
-    gc.collect()
-    storages = {}
-    with warnings.catch_warnings():  # (isinstance on torch.distributed's deprecated reduce_op object warns)
-        warnings.simplefilter("ignore", FutureWarning)
-        objects = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
-    for obj in objects:
-        if not isinstance(obj, DTensor) and obj.device.type != "meta":
-            storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
-    for t in leave_out:
-        storages.pop(t.untyped_storage().data_ptr(), None)
-    return sum(storages.values())
-
-
 def _around_evaluation(run_dir):
     """One step and the evaluation at its end: the bytes held on entering the evaluation and on leaving it."""
     from longctx.train.trainer import Trainer
@@ -63,9 +44,9 @@ def _around_evaluation(run_dir):
     own = trainer.evaluate
 
     def measured():
-        held.append(_held_bytes())
+        held.append(held_bytes())
         loss = own()
-        held.append(_held_bytes())
+        held.append(held_bytes())
         return loss
 
     trainer.evaluate = measured
@@ -109,12 +90,12 @@ def _target_passes(target, run_dir):
     model, own = trainer.model, trainer.model._target
 
     def measured(*args):
-        before = _held_bytes()
+        before = held_bytes()
         out = own(*args)
         outputs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         plain = [n for n, p in model.target.named_parameters() if not isinstance(p, DTensor)]
         units = sum(isinstance(m, FSDPModule) for m in model.target.modules())
-        passes.append((before, _held_bytes(outputs), plain, units))
+        passes.append((before, held_bytes(outputs), plain, units))
         return out
 
     model._target = measured

@@ -10,13 +10,11 @@ FSDP parameter group holds a node-sharded copy (was: every block's, 696,320 byte
 forward), the bytes held after an in-loop evaluation are those held before it, and the training is bit for bit
 (losses, every rank's parameter shards) that of a run that does not evaluate."""
 
-import gc
 import hashlib
-import warnings
 
 import pytest
-import torch
 
+from live_storage import held_bytes
 from longctx.config import load_config
 from longctx.job.spawn import run_spawned_many
 
@@ -32,22 +30,6 @@ pytestmark = pytest.mark.slow  # two 4-rank runs: ~40 s on a 2-core CPU (the eve
 
 def _silent(*_a, **_k):
     pass
-
-
-def _held_bytes() -> int:
-    """Bytes of the distinct storages behind every live plain tensor of this process (a DTensor's local shard is
-    one of them)."""
-    from torch.distributed.tensor import DTensor
-
-    gc.collect()
-    storages = {}
-    with warnings.catch_warnings():  # (isinstance on torch.distributed's deprecated reduce_op object warns)
-        warnings.simplefilter("ignore", FutureWarning)
-        objects = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
-    for obj in objects:
-        if not isinstance(obj, DTensor) and obj.device.type != "meta":
-            storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
-    return sum(storages.values())
 
 
 def _copies(model) -> tuple[dict, int]:
@@ -90,9 +72,9 @@ def _run(eval_interval, run_dir):
         return out
 
     def measured():
-        before = _held_bytes()
+        before = held_bytes()
         loss = own_eval()
-        evals.append((before, _held_bytes(), *_copies(trainer.model)))
+        evals.append((before, held_bytes(), *_copies(trainer.model)))
         return loss
 
     trainer.step, trainer.evaluate = step, measured

@@ -17,15 +17,14 @@ hpz's backward inside the node) as tests/link_audit.py RawLinks counts them; the
 and, training 3 steps under hpz and under plain FSDP, each step's loss, each gradient (gathered whole, before the
 optimizer's step) and each parameter after it, to the bit."""
 
-import gc
 import hashlib
-import warnings
 from collections import defaultdict
 
 import pytest
 import torch
 
 from link_audit import RawLinks, _bytes
+from live_storage import held_bytes
 from longctx.config import load_config
 from longctx.costs.hardware import PRESETS
 from longctx.costs.shape import MeshShape
@@ -71,20 +70,6 @@ class _RouterGathers(RawLinks):
             self.fp32[n] += _bytes(args[1]) * (n - 1)
 
 
-def _held_bytes() -> int:
-    """Bytes of the distinct storages behind every live plain tensor of this process (DTensors' local shards
-    among them)."""
-    from torch.distributed.tensor import DTensor
-
-    gc.collect()
-    with warnings.catch_warnings():  # (isinstance on torch.distributed's deprecated reduce_op object warns)
-        warnings.simplefilter("ignore", FutureWarning)
-        objects = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in objects
-                if not isinstance(t, DTensor) and t.device.type != "meta"}
-    return sum(storages.values())
-
-
 def _counted(work: str) -> dict:
     """Step 2 under ZeRO++ counted (step 1: FSDP's lazy set-up), then the bytes held around an evaluation."""
     import torch.distributed as dist
@@ -98,9 +83,9 @@ def _counted(work: str) -> dict:
         trainer.step(2)
     levels = torch.tensor([float(links.hops[k]) for k in ("inter", "intra", "group")], dtype=torch.float64)
     dist.all_reduce(levels)  # (outside the count)
-    copies, before = [_node_copies(trainer.model)], _held_bytes()
+    copies, before = [_node_copies(trainer.model)], held_bytes()
     trainer.evaluate()
-    held = _held_bytes() - before
+    held = held_bytes() - before
     copies.append(_node_copies(trainer.model))
     return {"levels": levels.tolist(), "router_gathers": dict(links.fp32), "unknown": links.summary()["unknown"],
             "held": held, "copies": copies, "node_sharded": len(trainer.model.node_sharded_units)}
