@@ -78,6 +78,8 @@ MISSING = "/nonexistent-badinput114/x"
 # (key, value) accepted because it means something, and what
 ALLOWED = {
     ("model.head_dim", "0"): "0 = dim // heads",
+    ("model.padding_idx", "-1"): "-1 = no row without gradient",
+    ("model.padding_idx", "0"): "token 0's row gets no gradient (a pad id like any other)",
     ("model.rope_ms_poe_skip_layers", "0"): "Ms-PoE on every layer",
     ("model.moe.experts", "0"): "a dense model",
     ("model.moe.expert_dim", "0"): "0 = ffn_dim",

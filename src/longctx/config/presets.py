@@ -50,7 +50,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                           aux_loss_scope="pooled"),
     "olmoe-1b-7b": _moe(dict(family="olmoe", dim=2048, layers=16, heads=16, kv_heads=16, head_dim=0, ffn_dim=1024,
                              vocab_size=50304, rope_theta=10000.0, rope_scaling="none", qk_norm=True,
-                             qk_norm_span="all", tie_embeddings=False, max_seq_len=4096),
+                             qk_norm_span="all", tie_embeddings=False, max_seq_len=4096, padding_idx=1),
                         experts=64, top_k=8, expert_dim=1024, norm_topk=False, aux_loss=0.01, z_loss=0.001,
                         aux_loss_scope="pooled"),
 }
