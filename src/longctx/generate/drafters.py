@@ -22,6 +22,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 
 from ..errors import ConfigError
+from ..models.glide import block_stale_visible, decode_visible, masked_prefix_attention
 from ..models.kv_cache import KVCache
 from ..models.static_decode import CompiledStep, compiled_step, install
 from .acceptance import sampling_probs
@@ -175,8 +176,6 @@ class GlideDrafter(ModelDrafter):
         slots before its block as training's mask does. With a `window` (LongSpec's), only the last
         `window` positions: the draft's own cache then holds those, and the target's cache, which
         holds everything, gives the rest of the context through the cross-attention."""
-        from ..models.glide import block_stale_visible
-
         cfg, w = self.target.cfg, self.target.tok_embeddings.weight
         self.target_cache = target_cache
         self.cache = KVCache(len(self.model.layers), 1, self.max_len, cfg.kv_heads, cfg.resolved_head_dim,
@@ -216,8 +215,6 @@ class GlideDrafter(ModelDrafter):
         (models/glide.py decode_visible). Until 2026-12-07 they read every slot too, their own and, after a
         run of adaptive K's plain steps, every later one: what a 2+ layer draft's own cache kept of them
         (its layers past the first) was computed from reads training never showed it."""
-        from ..models.glide import decode_visible, masked_prefix_attention
-
         device, n = tokens.device, tokens.shape[1]
         first = self.offset + int(self.cache.lengths[0])
         slots = int(self.target_cache.lengths[0])
